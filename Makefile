@@ -1,0 +1,24 @@
+# One set-up path for users and CI. `make test` on a fresh clone does all set-up and runs the suite.
+PYTHON ?= $(shell command -v python3.12 2>/dev/null || echo python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test serve clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[dev]" --config-settings editable_mode=compat
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+serve: $(STAMP)
+	$(PY) -m serving.launch $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache

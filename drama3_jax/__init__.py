@@ -1,0 +1,12 @@
+"""drama3-jax: Fish Audio Drama 3 text-to-speech in JAX/Flax."""
+
+from drama3_jax.config import Drama3Config, preset
+
+__all__ = ["Drama3Config", "preset", "load"]
+
+
+def load(path, *, dtype=None):
+    """Restore a converted checkpoint directory (see `scripts/convert_checkpoint.py`)."""
+    from drama3_jax.checkpoint import load_backbone
+
+    return load_backbone(path, dtype=dtype)

@@ -1,0 +1,321 @@
+"""Drama 3 backbone (Qwen3.5-MoE text stack) in Flax NNX, with an explicit cache pytree.
+
+Module tree = checkpoint tree: `model.language_model.{embed_tokens, layers.{L}.{input_layernorm,
+post_attention_layernorm, linear_attn | self_attn, mlp}, norm}`, `lm_head`, `audio_decoder.codebook_embeddings`.
+Routed experts are stacked per layer (`mlp.experts.{gate,up,down}_proj.weight[E]`), in the checkpoint's
+[out, in] orientation, FP8 + `weight_scale_inv` or bf16.
+
+Entry points (one code path for prefill and decode):
+  `forward(rows [B, T, 1+K] int32, cache, new_lengths [B], fresh)` -> (hidden [B, T, H] after the final norm, cache)
+  `main_logits(hidden)` -> [.., band + 1]: the semantic band then EOS; `full_logits(hidden)` -> [.., vocab].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from drama3_jax.config import Drama3Config, TextConfig
+from drama3_jax.nn import Embedding, Linear, RMSNorm, apply_rope_rotate_half, rms_norm, swiglu
+from kernels.attention import attention
+from kernels.gdn import gdn_decode_step, gdn_prefill
+from kernels.gdn.reference import causal_conv1d, gdn_gates
+from kernels.moe import ExpertWeights, moe_experts
+
+
+@dataclasses.dataclass(frozen=True)
+class Backends:
+    """Which implementation each op uses (static under jit)."""
+
+    moe: str = "reference"
+    gdn_prefill: str = "reference"
+    gdn_decode: str = "reference"
+    attention: str = "reference"
+
+
+# ------------------------------------------------------------------------------------------------ cache
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BackboneCache:
+    """Per-slot caches. k/v: one [S, max_len, n_kv, head_dim] per full-attention layer; conv: one [S, K-1, conv_dim]
+    and ssm: one [S, H_v, D_k, D_v] per GDN layer; lengths [S] int32 = rows already in the cache."""
+
+    k: list
+    v: list
+    conv: list
+    ssm: list
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[1]
+
+
+def init_cache(cfg: TextConfig, slots: int, max_len: int, dtype=jnp.bfloat16, state_dtype=None) -> BackboneCache:
+    state_dtype = state_dtype or jnp.dtype(cfg.ssm_state_dtype)
+    nf, nl = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
+    kv = lambda: jnp.zeros((slots, max_len, cfg.num_key_value_heads, cfg.head_dim), dtype)
+    return BackboneCache(
+        k=[kv() for _ in range(nf)], v=[kv() for _ in range(nf)],
+        conv=[jnp.zeros((slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), dtype) for _ in range(nl)],
+        ssm=[jnp.zeros((slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+                       state_dtype) for _ in range(nl)],
+        lengths=jnp.zeros((slots,), jnp.int32))
+
+
+def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache [B, L, ...] <- new [B, T, ...] at per-row offsets start [B]."""
+    upd = lambda c, n, s: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s,) + (0,) * (c.ndim - 1))
+    return jax.vmap(upd)(cache, new, start)
+
+
+# ------------------------------------------------------------------------------------------------ layers
+class _Container(nnx.Module):
+    """A plain namespace node of the module tree (mirrors a checkpoint name prefix)."""
+
+
+class GatedAttention(nnx.Module):
+    """Gated full attention: q_proj gives [q_h | gate_h] per head; q/k zero-centred norms; partial rotate-half RoPE;
+    GQA causal softmax; output * sigmoid(gate); o_proj."""
+
+    def __init__(self, cfg: TextConfig, dtype):
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = Linear(h, nh * hd * 2, dtype=dtype)
+        self.k_proj = Linear(h, nkv * hd, dtype=dtype)
+        self.v_proj = Linear(h, nkv * hd, dtype=dtype)
+        self.o_proj = Linear(nh * hd, h, dtype=dtype)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
+        self.cfg = cfg
+
+    def __call__(self, x, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        qg = self.q_proj(x).reshape(B, T, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).reshape(B, T, nkv, hd))
+        v = self.v_proj(x).reshape(B, T, nkv, hd)
+        q = apply_rope_rotate_half(q, positions, cfg.rotary_dim, cfg.rope_theta)
+        k = apply_rope_rotate_half(k, positions, cfg.rotary_dim, cfg.rope_theta)
+        k_cache = _write_rows(k_cache, k, start)
+        v_cache = _write_rows(v_cache, v, start)
+        if fresh:  # prompt starts at 0: attend over the new rows only
+            o = attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, new_lengths, scale=hd ** -0.5,
+                          backend=backend)
+        else:
+            o = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), positions, start + new_lengths,
+                          scale=hd ** -0.5, backend=backend)
+        o = o.reshape(B, T, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+        return self.o_proj(o), k_cache, v_cache
+
+
+class GatedDeltaNet(nnx.Module):
+    """Gated DeltaNet mixer: in_proj_qkv -> causal depthwise conv (k=4) + SiLU -> q, k, v; beta = sigmoid(b),
+    g = -exp(A_log) softplus(a + dt_bias); gated delta rule; per-head RMSNorm (plain weight) * SiLU(z); out_proj."""
+
+    def __init__(self, cfg: TextConfig, dtype):
+        h = cfg.hidden_size
+        self.in_proj_qkv = Linear(h, cfg.linear_conv_dim, dtype=dtype)
+        self.in_proj_z = Linear(h, cfg.linear_value_dim, dtype=dtype)
+        self.in_proj_b = Linear(h, cfg.linear_num_value_heads, dtype=dtype)
+        self.in_proj_a = Linear(h, cfg.linear_num_value_heads, dtype=dtype)
+        self.conv1d = _Container()
+        self.conv1d.weight = nnx.Param(jnp.zeros((cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim), dtype))
+        self.A_log = nnx.Param(jnp.zeros((cfg.linear_num_value_heads,), dtype))
+        self.dt_bias = nnx.Param(jnp.ones((cfg.linear_num_value_heads,), dtype))
+        self.norm = RMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, zero_centered=False, dtype=dtype)
+        self.out_proj = Linear(cfg.linear_value_dim, h, dtype=dtype)
+        self.cfg = cfg
+
+    def __call__(self, x, conv_state, ssm_state, new_lengths, *, decode: bool, backends: Backends):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                          cfg.linear_value_head_dim)
+        kd = hk * dk
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).reshape(B, T, hv, dv)
+        b = self.in_proj_b(x)
+        a = self.in_proj_a(x)
+        conv_w = self.conv1d.weight[...][:, 0, :]
+        if decode:
+            o, conv_state, ssm_state = gdn_decode_step(
+                mixed[:, 0], a[:, 0], b[:, 0], conv_state, ssm_state, conv_w, self.A_log[...], self.dt_bias[...],
+                num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, backend=backends.gdn_decode)
+            o = o[:, None]
+        else:
+            y, conv_state = causal_conv1d(mixed, conv_w, conv_state, new_lengths)
+            q = y[..., :kd].reshape(B, T, hk, dk)
+            k = y[..., kd:2 * kd].reshape(B, T, hk, dk)
+            v = y[..., 2 * kd:].reshape(B, T, hv, dv)
+            g, beta = gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
+            o, new_state = gdn_prefill(q, k, v, g, beta, ssm_state, new_lengths, backend=backends.gdn_prefill)
+            ssm_state = new_state.astype(ssm_state.dtype)
+        o = rms_norm(o, self.norm.weight[...], cfg.rms_norm_eps, zero_centered=False, out_dtype=jnp.float32)
+        o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, hv * dv)
+        return self.out_proj(o), conv_state, ssm_state
+
+
+class ExpertProj(nnx.Module):
+    """One projection of all experts: `weight` [E, out, in] (+ `weight_scale_inv` [E, ceil(out/b), ceil(in/b)])."""
+
+    def __init__(self, num_experts: int, out_dim: int, in_dim: int, *, fp8_block: tuple[int, int] | None, dtype):
+        if fp8_block is None:
+            self.weight = nnx.Param(jnp.zeros((num_experts, out_dim, in_dim), dtype))
+            self.weight_scale_inv = None
+        else:
+            self.weight = nnx.Param(jnp.zeros((num_experts, out_dim, in_dim), jnp.float8_e4m3fn))
+            self.weight_scale_inv = nnx.Param(jnp.ones(
+                (num_experts, math.ceil(out_dim / fp8_block[0]), math.ceil(in_dim / fp8_block[1])), jnp.float32))
+
+
+class Experts(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, fp8_block, dtype):
+        E, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_proj = ExpertProj(E, i, h, fp8_block=fp8_block, dtype=dtype)
+        self.up_proj = ExpertProj(E, i, h, fp8_block=fp8_block, dtype=dtype)
+        self.down_proj = ExpertProj(E, h, i, fp8_block=fp8_block, dtype=dtype)
+        self.block = tuple(fp8_block) if fp8_block else (128, 128)
+
+    def weights(self) -> ExpertWeights:
+        s = lambda p: None if p.weight_scale_inv is None else p.weight_scale_inv[...]
+        return ExpertWeights(gate=self.gate_proj.weight[...], up=self.up_proj.weight[...],
+                             down=self.down_proj.weight[...], gate_scale=s(self.gate_proj),
+                             up_scale=s(self.up_proj), down_scale=s(self.down_proj), block=self.block)
+
+
+class MLP(nnx.Module):
+    def __init__(self, hidden: int, inter: int, dtype):
+        self.gate_proj = Linear(hidden, inter, dtype=dtype)
+        self.up_proj = Linear(hidden, inter, dtype=dtype)
+        self.down_proj = Linear(inter, hidden, dtype=dtype)
+
+    def __call__(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class SparseMoe(nnx.Module):
+    """softmax(fp32) router -> top-k renormalised -> SwiGLU experts; + sigmoid(shared_expert_gate(x)) * shared(x)."""
+
+    def __init__(self, cfg: TextConfig, *, fp8_block, dtype):
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, dtype=dtype)
+        self.experts = Experts(cfg, fp8_block=fp8_block, dtype=dtype)
+        self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype=dtype)
+        self.top_k = cfg.num_experts_per_tok
+
+    def route(self, x):
+        """x [N, H] -> (topk_ids [N, k] int32, topk_weights [N, k] fp32)."""
+        logits = x.astype(jnp.float32) @ self.gate.weight[...].astype(jnp.float32).T
+        probs = jax.nn.softmax(logits, axis=-1)
+        w, ids = jax.lax.top_k(probs, self.top_k)
+        return ids.astype(jnp.int32), w / jnp.sum(w, axis=-1, keepdims=True)
+
+    def __call__(self, x, *, backend: str):
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        ids, w = self.route(xf)
+        routed = moe_experts(xf, ids, w, self.experts.weights(), backend=backend)
+        shared = self.shared_expert(xf)
+        sg = jax.nn.sigmoid(self.shared_expert_gate(xf).astype(jnp.float32))
+        out = routed.astype(jnp.float32) + sg * shared.astype(jnp.float32)
+        return out.astype(x.dtype).reshape(shape)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TextConfig, layer_type: str, *, fp8_block, dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        if layer_type == "full_attention":
+            self.self_attn = GatedAttention(cfg, dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, dtype)
+        self.mlp = SparseMoe(cfg, fp8_block=fp8_block, dtype=dtype)
+        self.layer_type = layer_type
+
+
+class TextModel(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, fp8_block, dtype):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, t, fp8_block=fp8_block, dtype=dtype) for t in cfg.layer_types])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+
+class Drama3Backbone(nnx.Module):
+    """Backbone + lm_head + the shared codebook table that feeds semantic rows."""
+
+    def __init__(self, cfg: Drama3Config, *, dtype=jnp.bfloat16, fp8_experts: bool = True):
+        fp8_block = tuple(cfg.quant.weight_block_size) if (fp8_experts and cfg.quant is not None) else None
+        self.model = _Container()
+        self.model.language_model = TextModel(cfg.text, fp8_block=fp8_block, dtype=dtype)
+        self.lm_head = Linear(cfg.text.hidden_size, cfg.text.vocab_size, dtype=dtype)
+        self.audio_decoder = _Container()
+        self.audio_decoder.codebook_embeddings = Embedding(
+            cfg.tower.num_codebooks * cfg.tower.vocab_size, cfg.tower.dim, dtype=dtype)
+        self.cfg = cfg
+
+    # -------------------------------------------------------------------------------- embedding of frame rows
+    def embed_rows(self, rows: jax.Array) -> jax.Array:
+        """rows [..., 1+K] int32 -> [..., H]. Text rows: E_tok[main]. Semantic rows (main in the band):
+        (E_tok[main] + sum_{k=1..B} E_cb[k*V + c_k]) / sqrt(1+B), B = vq_backbone_codebooks, V = tower vocab."""
+        cfg = self.cfg
+        lm = self.model.language_model
+        main = rows[..., 0]
+        e = lm.embed_tokens(main)
+        nb = cfg.tower.vq_backbone_codebooks
+        if nb == 0:
+            return e
+        V = cfg.tower.vocab_size
+        is_sem = (main >= cfg.semantic_start_token_id) & (main <= cfg.semantic_end_token_id)
+        ks = jnp.arange(1, nb + 1)
+        idx = ks * V + jnp.clip(rows[..., 1 + ks], 0, V - 1)  # [..., B]
+        cb = jnp.sum(self.audio_decoder.codebook_embeddings(idx).astype(jnp.float32), axis=-2)
+        sem = (e.astype(jnp.float32) + cb) / math.sqrt(1 + nb)
+        return jnp.where(is_sem[..., None], sem, e.astype(jnp.float32)).astype(e.dtype)
+
+    # -------------------------------------------------------------------------------- the stack
+    def forward(self, rows, cache: BackboneCache, new_lengths, *, fresh: bool = False,
+                backends: Backends = Backends()):
+        """rows [B, T, 1+K] at positions cache.lengths + t; new_lengths [B] valid rows per sequence (right padding).
+        `fresh`: the cache rows are empty (prompt prefill), so attention only looks at the new rows.
+        T == 1 takes the fused GDN decode step. Returns (final-norm hidden [B, T, H], updated cache)."""
+        cfg = self.cfg.text
+        B, T = rows.shape[:2]
+        start = cache.lengths
+        positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        x = self.embed_rows(rows)
+        ks, vs, convs, ssms = list(cache.k), list(cache.v), list(cache.conv), list(cache.ssm)
+        fi = li = 0
+        for layer in self.model.language_model.layers:
+            h = layer.input_layernorm(x)
+            if layer.layer_type == "full_attention":
+                h, ks[fi], vs[fi] = layer.self_attn(h, positions, ks[fi], vs[fi], start, new_lengths, fresh=fresh,
+                                                    backend=backends.attention)
+                fi += 1
+            else:
+                h, convs[li], ssms[li] = layer.linear_attn(h, convs[li], ssms[li], new_lengths, decode=(T == 1),
+                                                           backends=backends)
+                li += 1
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x), backend=backends.moe)
+        x = self.model.language_model.norm(x)
+        return x, BackboneCache(k=ks, v=vs, conv=convs, ssm=ssms, lengths=start + new_lengths.astype(jnp.int32))
+
+    def full_logits(self, hidden):
+        return self.lm_head(hidden)
+
+    def main_logits(self, hidden):
+        """Logits of the main-token candidates: the semantic band (in order) then EOS, fp32 [..., band+1].
+        Only those lm_head rows are multiplied."""
+        c = self.cfg
+        w = self.lm_head.weight[...]
+        rows = jnp.concatenate([w[c.semantic_start_token_id:c.semantic_end_token_id + 1],
+                                w[c.eos_token_id][None]], axis=0)
+        return jax.lax.dot_general(hidden.astype(w.dtype), rows, (((hidden.ndim - 1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)

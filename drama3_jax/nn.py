@@ -1,0 +1,125 @@
+"""Shared building blocks: linear/embedding modules named like the checkpoint, norms, RoPE, SwiGLU, FP8 dequant.
+
+Numerics policy (one place): weights are stored in their checkpoint dtype (bf16; routed experts FP8 e4m3 with fp32
+block scales); matmuls run in the weight dtype; norms, softmax and RoPE are computed in fp32. Zero-centred norm
+gammas are applied as (1 + w) in fp32 (bf16 cannot resolve 1 + w near 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+class Linear(nnx.Module):
+    """y = x @ weight.T, with `weight` [out, in] exactly as the checkpoint stores it (no bias)."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype=jnp.bfloat16):
+        self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.weight[...]
+        return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+
+
+class Embedding(nnx.Module):
+    """Row lookup in `weight` [num, dim]."""
+
+    def __init__(self, num: int, dim: int, *, dtype=jnp.bfloat16):
+        self.weight = nnx.Param(jnp.zeros((num, dim), dtype))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis. `zero_centered`: y = x_hat * (1 + w) (Qwen3.5 / tower); else y = x_hat * w."""
+
+    def __init__(self, dim: int, eps: float, *, zero_centered: bool = True, dtype=jnp.bfloat16):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype) if zero_centered else jnp.ones((dim,), dtype))
+        self.eps = eps
+        self.zero_centered = zero_centered
+
+    def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
+        return rms_norm(x, self.weight[...], self.eps, zero_centered=self.zero_centered,
+                        out_dtype=out_dtype or x.dtype)
+
+
+def rms_norm(x, weight, eps: float, *, zero_centered: bool = True, out_dtype=None):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    w = weight.astype(jnp.float32)
+    y = y * (1.0 + w if zero_centered else w)
+    return y.astype(out_dtype or x.dtype)
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+# ------------------------------------------------------------------------------------------------ RoPE
+def rope_inv_freq(rotary_dim: int, theta: float) -> jax.Array:
+    return 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+
+
+def apply_rope_rotate_half(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """NeoX-style ("rotate half") RoPE on the first `rotary_dim` dims of each head, fp32 math.
+
+    x [B, T, H, D]; positions [B, T] int."""
+    inv = rope_inv_freq(rotary_dim, theta)
+    ang = positions.astype(jnp.float32)[..., None] * inv  # [B, T, rot/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    half = rotary_dim // 2
+    x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
+    return out.astype(x.dtype)
+
+
+def apply_rope_interleaved(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
+    """GPT-J style RoPE on adjacent pairs (x[2i], x[2i+1]) of the first `rotary_dim` dims, fp32 math."""
+    inv = rope_inv_freq(rotary_dim, theta)
+    ang = positions.astype(jnp.float32)[..., None] * inv
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    pairs = xf[..., :rotary_dim].reshape(xf.shape[:-1] + (rotary_dim // 2, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    rot = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(xf.shape[:-1] + (rotary_dim,))
+    return jnp.concatenate([rot, xf[..., rotary_dim:]], axis=-1).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ block FP8
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """Shape of the fp32 `weight_scale_inv` for a [..., out, in] weight: [..., ceil(out/b0), ceil(in/b1)]."""
+    return tuple(shape[:-2]) + (math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+
+
+def dequantize_block_fp8(w: jax.Array, scale: jax.Array, block: tuple[int, int], dtype=jnp.float32) -> jax.Array:
+    """W = fp8(w) * scale broadcast over each block (partial edge blocks allowed). w [..., out, in]."""
+    out_dim, in_dim = w.shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), block[0], axis=-2), block[1], axis=-1)
+    s = s[..., :out_dim, :in_dim]
+    return (w.astype(jnp.float32) * s).astype(dtype)
+
+
+def quantize_block_fp8(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side per-block absmax quantisation to e4m3 (used to write FP8 checkpoints). w [..., out, in] float."""
+    import ml_dtypes
+
+    w = np.asarray(w, np.float32)
+    out_dim, in_dim = w.shape[-2:]
+    sshape = scale_shape(w.shape, block)
+    po, pi = sshape[-2] * block[0] - out_dim, sshape[-1] * block[1] - in_dim
+    wp = np.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, po), (0, pi)])
+    blocks = wp.reshape(w.shape[:-2] + (sshape[-2], block[0], sshape[-1], block[1]))
+    amax = np.abs(blocks).max(axis=(-3, -1))
+    scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)  # 448 = e4m3 max finite
+    q = blocks / scale[..., :, None, :, None]
+    q = q.reshape(wp.shape)[..., :out_dim, :in_dim].astype(ml_dtypes.float8_e4m3fn)
+    return q, scale

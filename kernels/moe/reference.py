@@ -1,0 +1,37 @@
+"""Plain-jnp routed experts: every (token, k) pair gathers its expert's weights (dequantising only those).
+
+x [T, H]; topk_ids [T, k] int32; topk_weights [T, k] (already renormalised); returns [T, H] in x.dtype.
+y_t = sum_j w_tj * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]; accumulation in fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels.moe.weights import ExpertWeights
+
+
+def gathered_weight(w, scale, ids, block, dtype):
+    """Weights of experts `ids` (any shape) as `dtype`, dequantised when FP8."""
+    g = jnp.take(w, ids, axis=0)
+    if scale is None:
+        return g.astype(dtype)
+    s = jnp.take(scale, ids, axis=0)
+    out_dim, in_dim = w.shape[-2:]
+    s = jnp.repeat(jnp.repeat(s, block[0], axis=-2), block[1], axis=-1)[..., :out_dim, :in_dim]
+    return (g.astype(jnp.float32) * s).astype(dtype)
+
+
+def moe_experts_reference(x, topk_ids, topk_weights, w: ExpertWeights):
+    cdt = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
+    xg = x.astype(cdt)
+    g = gathered_weight(w.gate, w.gate_scale, topk_ids, w.block, cdt)  # [T, k, I, H]
+    u = gathered_weight(w.up, w.up_scale, topk_ids, w.block, cdt)
+    d = gathered_weight(w.down, w.down_scale, topk_ids, w.block, cdt)  # [T, k, H, I]
+    hg = jnp.einsum("th,tkih->tki", xg, g, preferred_element_type=jnp.float32)
+    hu = jnp.einsum("th,tkih->tki", xg, u, preferred_element_type=jnp.float32)
+    act = (jax.nn.silu(hg) * hu).astype(cdt)
+    y = jnp.einsum("tki,tkhi->tkh", act, d, preferred_element_type=jnp.float32)
+    y = jnp.sum(y * topk_weights.astype(jnp.float32)[..., None], axis=1)
+    return y.astype(x.dtype)
