@@ -1,0 +1,198 @@
+"""Pallas (Triton lowering) routed-expert layer: two grouped GEMM kernels over a static block schedule.
+
+  1. `gate_up_swiglu_grouped`: grid (I / bn, blocks). Each program gathers its block's token rows of x straight from
+     [T, H] (no permuted copy), streams the expert's gate and up tiles [bn, H] once, accumulates both in fp32 and writes
+     silu(gate) * up as bf16 into a block-padded activation buffer [blocks * bm, I].
+  2. `down_weighted_grouped`: grid (H / bn, blocks). Reads the block's activation rows, streams the expert's down tile
+     [bn, I], multiplies each row by its router weight and stores it at its (token, slot) row of y [T * k, H]
+     (masked scatter by row index: every row of y is written exactly once).
+  3. combine: out = sum_j y[t * k + j] (a plain reduction over k in XLA, fp32).
+
+FP8 weights (e4m3 + fp32 scale per 128 x 128 block, W = q * s): tiles are loaded as FP8 (half the bytes of bf16),
+converted to bf16 in registers and fed to a bf16 x bf16 -> fp32 dot (W8A16); as a tile never spans two scale blocks
+(bn | 128, bk | 128), its scale is one scalar applied to the fp32 partial product of that K step (the "promotion"
+of vLLM's block-FP8 fused_moe and DeepGEMM). N tiles are the fastest grid axis, so the programs that share a block's
+activations run together and an expert's weight tiles are read from HBM once per step in decode.
+
+Design sources (read, not copied): vLLM fused_moe (moe_align_block_size, in-kernel gather by token id, router weight
+in the second GEMM's epilogue, block-FP8 promotion), tokamax ragged_dot GroupInfo (per-block metadata in XLA).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels.moe.routing import BlockSchedule, expert_block_schedule
+from kernels.moe.tuning import TRITON_TABLE, TritonMoeConfig, pick
+from kernels.moe.weights import ExpertWeights
+
+_F32 = jnp.float32
+_NT = (((1,), (1,)), ((), ()))  # a [m, k] . b [n, k]^T
+
+
+def _check_fp8_tile(w: ExpertWeights, bn: int, bk: int, what: str):
+    b0, b1 = w.block
+    if not (b0 % bn == 0 and b1 % bk == 0):
+        raise ValueError(f"{what}: FP8 tiles must lie inside one {w.block} scale block, got bn={bn}, bk={bk}")
+
+
+def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu_ref, *rest, top_k, bm, bn, bk,
+                    n_k, sblock, fp8):
+    if fp8:
+        sg_ref, su_ref, act_ref = rest
+    else:
+        (act_ref,) = rest
+    n = pl.program_id(0)
+    b = pl.program_id(1)
+    e = expert_ref[b]
+
+    @pl.when(e >= 0)
+    def _():
+        row0 = row0_ref[b]
+        nrows = rows_ref[b]
+        r = jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
+        pair = order_ref[pl.ds(row0, bm)]
+        tok = jnp.where(r < nrows, pair // top_k, 0)  # padding rows read token 0; they are never stored downstream
+        n0 = pl.multiple_of(n * bn, bn)
+
+        def body(i, carry):
+            accg, accu = carry
+            k0 = pl.multiple_of(i * bk, bk)
+            xt = x_ref[tok, pl.ds(k0, bk)]
+            wg = wg_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(xt.dtype)
+            wu = wu_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(xt.dtype)
+            dg = jax.lax.dot_general(xt, wg, _NT, preferred_element_type=_F32)
+            du = jax.lax.dot_general(xt, wu, _NT, preferred_element_type=_F32)
+            if fp8:
+                dg = dg * sg_ref[e, n0 // sblock[0], k0 // sblock[1]]
+                du = du * su_ref[e, n0 // sblock[0], k0 // sblock[1]]
+            return accg + dg, accu + du
+
+        z = jnp.zeros((bm, bn), _F32)
+        accg, accu = jax.lax.fori_loop(0, n_k, body, (z, z))
+        act = accg / (1.0 + jnp.exp(-accg)) * accu
+        act_ref[pl.ds(b * bm, bm), pl.ds(n0, bn)] = act.astype(act_ref.dtype)
+
+
+def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int, cfg: TritonMoeConfig, *,
+                           interpret: bool = False):
+    """act [num_blocks * block_m, I] (bf16) = silu(x W_gate^T) * (x W_up^T) for every scheduled row; pad rows junk."""
+    T, H = x.shape
+    E, I, _ = w.gate.shape
+    bm, bn, bk = sched.block_m, min(cfg.gu_block_n, I), min(cfg.gu_block_k, H)
+    if w.is_fp8:
+        _check_fp8_tile(w, bn, bk, "gate/up")
+    nb = sched.num_blocks
+    kernel = functools.partial(_gate_up_kernel, top_k=top_k, bm=bm, bn=bn, bk=bk, n_k=H // bk, sblock=w.block,
+                               fp8=w.is_fp8)
+    args = [sched.block_expert, sched.block_row0, sched.block_rows, sched.order, x, w.gate, w.up]
+    if w.is_fp8:
+        args += [w.gate_scale, w.up_scale]
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((nb * bm, I), x.dtype),
+        grid=(I // bn, nb),
+        compiler_params=plt.CompilerParams(num_warps=cfg.gu_warps, num_stages=cfg.gu_stages),
+        interpret=interpret,
+        name="moe_gate_up_swiglu",
+    )(*args)
+
+
+def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_ref, *rest, bm, bn, bk, n_k, sblock,
+                 fp8, aliased, n_pairs):
+    rest = list(rest)
+    sd_ref = rest.pop(0) if fp8 else None
+    if aliased:
+        rest.pop(0)  # the poisoned/initial y, aliased to the output
+    (y_ref,) = rest
+    n = pl.program_id(0)
+    b = pl.program_id(1)
+    e = expert_ref[b]
+
+    @pl.when(e >= 0)
+    def _():
+        row0 = row0_ref[b]
+        nrows = rows_ref[b]
+        r = jax.lax.broadcasted_iota(jnp.int32, (bm,), 0)
+        valid = r < nrows
+        pair = order_ref[pl.ds(row0, bm)]
+        # padding rows point at their own spare row M + r of y: masked off on GPU, and distinct from every real row
+        # (interpret mode writes masked lanes back, so a shared dummy index would race with a real row)
+        pair = jnp.where(valid, pair, n_pairs + r)
+        n0 = pl.multiple_of(n * bn, bn)
+        a0 = pl.multiple_of(b * bm, bm)
+
+        def body(i, acc):
+            k0 = pl.multiple_of(i * bk, bk)
+            a = act_ref[pl.ds(a0, bm), pl.ds(k0, bk)]
+            wd = wd_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(a.dtype)
+            d = jax.lax.dot_general(a, wd, _NT, preferred_element_type=_F32)
+            if fp8:
+                d = d * sd_ref[e, n0 // sblock[0], k0 // sblock[1]]
+            return acc + d
+
+        acc = jax.lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), _F32))
+        rw = jnp.where(valid, rw_ref[jnp.where(valid, pair, 0)], 0.0)
+        y = (acc * rw[:, None]).astype(y_ref.dtype)
+        cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)  # int-array indices on both axes: a masked
+        rows = jnp.broadcast_to(pair[:, None], (bm, bn))                  # scatter (also what interpret mode needs)
+        plt.store(y_ref.at[rows, cols], y, mask=jnp.broadcast_to(valid[:, None], (bm, bn)))
+
+
+def down_weighted_grouped(act, sched: BlockSchedule, router_w, w: ExpertWeights, cfg: TritonMoeConfig, *,
+                          out_dtype=jnp.bfloat16, y_init=None, interpret: bool = False):
+    """y [T * k + block_m, H]: y[p] = router_w[p] * (act_row(p) W_down^T) for p < T * k; the last block_m rows are
+    spare (never written on GPU). `y_init` (optional, same shape) is aliased to the output, so a poisoned buffer shows
+    any row the kernel failed to write."""
+    E, H, I = w.down.shape
+    M = router_w.shape[0]
+    bm, bn, bk = sched.block_m, min(cfg.dn_block_n, H), min(cfg.dn_block_k, I)
+    if w.is_fp8:
+        _check_fp8_tile(w, bn, bk, "down")
+    nb = sched.num_blocks
+    aliased = y_init is not None
+    kernel = functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, n_k=I // bk, sblock=w.block, fp8=w.is_fp8,
+                               aliased=aliased, n_pairs=M)
+    args = [sched.block_expert, sched.block_row0, sched.block_rows, sched.order, router_w.astype(_F32), act, w.down]
+    if w.is_fp8:
+        args.append(w.down_scale)
+    aliases = {}
+    if aliased:
+        aliases = {len(args): 0}
+        args.append(y_init.astype(out_dtype))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M + bm, H), out_dtype),
+        grid=(H // bn, nb),
+        input_output_aliases=aliases,
+        compiler_params=plt.CompilerParams(num_warps=cfg.dn_warps, num_stages=cfg.dn_stages),
+        interpret=interpret,
+        name="moe_down_weighted",
+    )(*args)
+
+
+def _default_interpret() -> bool:
+    return jax.default_backend() != "gpu"
+
+
+def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, config: TritonMoeConfig | None = None,
+                              interpret: bool | None = None, y_init=None, return_y: bool = False):
+    """Routed-expert layer (see module doc). x [T, H]; topk_ids/topk_weights [T, k]; returns [T, H] in x.dtype.
+
+    interpret=None runs the real kernel on GPU and Pallas interpret mode elsewhere."""
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    cfg = config or pick(TRITON_TABLE, T * k)
+    if interpret is None:
+        interpret = _default_interpret()
+    sched = expert_block_schedule(topk_ids, w.num_experts, cfg.block_m)
+    xb = x.astype(jnp.bfloat16)
+    act = gate_up_swiglu_grouped(xb, sched, w, k, cfg, interpret=interpret)
+    y = down_weighted_grouped(act, sched, topk_weights.reshape(-1), w, cfg, y_init=y_init, interpret=interpret)
+    out = jnp.sum(y[: T * k].reshape(T, k, H).astype(_F32), axis=1).astype(x.dtype)
+    return (out, y) if return_y else out

@@ -1,0 +1,73 @@
+"""Token -> expert grouping for the grouped-GEMM backends: a static-shape block schedule, computed in XLA.
+
+The (token, slot) pairs of a layer (M = T * k of them) are ordered by expert. Every expert's run of pairs is cut into
+row blocks of `block_m`; a block never spans two experts (the vLLM `moe_align_block_size` idea, without materialising a
+padded copy). The number of blocks depends on the routing, so the schedule is sized for the worst case
+
+    num_blocks = floor((M + min(E, M) * (block_m - 1)) / block_m)
+
+(every non-empty expert wastes at most block_m - 1 rows), and blocks past the used ones carry expert -1 and are skipped
+by the kernels. Shapes depend only on (T, k, E, block_m): no recompilation per batch composition, no host sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockSchedule:
+    """Work list of the grouped GEMMs.
+
+    order [M + block_m] int32: pair indices (t * k + j) sorted by expert (stable), padded with zeros so that a block's
+      rows can be read as one slice without running past the end.
+    block_expert [nb] int32: expert of each row block, -1 for unused blocks.
+    block_row0 [nb] int32: index into `order` of the block's first row.
+    block_rows [nb] int32: valid rows in the block (1..block_m; 0 for unused blocks).
+    """
+
+    order: jax.Array
+    block_expert: jax.Array
+    block_row0: jax.Array
+    block_rows: jax.Array
+    block_m: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.shape[0]
+
+
+def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Worst-case number of `block_m` row blocks over all routings of `num_pairs` pairs to `num_experts` experts."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def expert_block_schedule(topk_ids: jax.Array, num_experts: int, block_m: int) -> BlockSchedule:
+    """Block schedule for topk_ids [T, k] (int, values in [0, E)). All shapes static."""
+    flat = topk_ids.reshape(-1).astype(jnp.int32)
+    m = flat.shape[0]
+    nb = max_row_blocks(m, num_experts, block_m)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1, mode="drop")
+    start = jnp.cumsum(counts) - counts  # first sorted row of each expert
+    nblk = (counts + block_m - 1) // block_m
+    blk_end = jnp.cumsum(nblk)
+    blk_start = blk_end - nblk
+    b = jnp.arange(nb, dtype=jnp.int32)
+    # expert of block b = number of experts whose blocks all end at or before b
+    e = jnp.sum(blk_end[None, :] <= b[:, None], axis=1, dtype=jnp.int32)
+    used = e < num_experts
+    ec = jnp.minimum(e, num_experts - 1)
+    off = (b - blk_start[ec]) * block_m
+    rows = jnp.clip(counts[ec] - off, 0, block_m)
+    return BlockSchedule(
+        order=jnp.pad(order, (0, block_m)),
+        block_expert=jnp.where(used, ec, -1),
+        block_row0=jnp.where(used, start[ec] + off, 0),
+        block_rows=jnp.where(used, rows, 0),
+        block_m=block_m,
+    )
