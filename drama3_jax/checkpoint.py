@@ -268,6 +268,12 @@ class ConversionStats:
     peak_group_bytes: int = 0
 
 
+def _dequantize_np(w: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
+    """bf16(fp8 * scale broadcast per block) for one [out, in] expert weight."""
+    s = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[:w.shape[0], :w.shape[1]]
+    return (w.astype(np.float32) * s).astype(ml_dtypes.bfloat16)
+
+
 def convert(hf_dir: str | Path, out_dir: str | Path, *, experts: str = "fp8", progress: bool = True) -> ConversionStats:
     """Stream a HF checkpoint into per-group Orbax checkpoints (one tensor read at a time, one group held).
 
@@ -301,6 +307,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, experts: str = "fp8", pr
     for group, gspecs in groups.items():
         tree: dict = {}
         stacks: dict[tuple, np.ndarray] = {}
+        pending: dict[str, np.ndarray] = {}
         held = 0
         for s in gspecs:
             dtype, shape = reader.info(s.name)
@@ -313,24 +320,21 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, experts: str = "fp8", pr
             if s.index is None:
                 _set(tree, s.path, arr)
                 held += arr.nbytes
+            elif experts == "bf16" and s.dtype == "fp8":
+                pending[s.name] = arr  # dequantised when its scale (the next tensor) arrives
             else:
-                if s.scale_of is not None and experts == "bf16":
-                    w_path = s.path[:-1] + ("weight",)
-                    w = stacks[w_path][s.index].astype(np.float32)
-                    sc = np.repeat(np.repeat(arr, block[0], 0), block[1], 1)[:w.shape[0], :w.shape[1]]
-                    stacks[w_path][s.index] = (w * sc).astype(ml_dtypes.bfloat16)
-                else:
-                    if s.path not in stacks:
-                        n_exp = cfg.text.num_experts
-                        stacks[s.path] = np.zeros((n_exp,) + s.shape, arr.dtype)
-                        held += stacks[s.path].nbytes
-                    stacks[s.path][s.index] = arr
+                path = s.path
+                if experts == "bf16" and s.scale_of is not None:
+                    arr = _dequantize_np(pending.pop(s.scale_of), arr, block)
+                    path = s.path[:-1] + ("weight",)
+                if path not in stacks:
+                    stacks[path] = np.zeros((cfg.text.num_experts,) + arr.shape, arr.dtype)
+                    held += stacks[path].nbytes
+                stacks[path][s.index] = arr
             done += 1
             if progress:
                 _progress(done, len(specs), group)
         for path, stack in stacks.items():
-            if experts == "bf16" and path[-1] == "weight":
-                stack = stack.astype(ml_dtypes.bfloat16)  # FP8 weights became bf16 above; no scales kept
             _set(tree, path, stack)
         stats.peak_group_bytes = max(stats.peak_group_bytes, held)
         ckptr.save((out / "weights" / group).absolute(), tree)

@@ -285,7 +285,7 @@ class Drama3Config:
             "semantic_start_token_id": self.semantic_start_token_id,
             "semantic_end_token_id": self.semantic_end_token_id, "eos_token_id": self.eos_token_id,
             "audio_encoder_config": None, "extra_samplable_token_ids": [],
-            "text_config": text, "audio_decoder_config": tower,
+            "text_config": text, "audio_decoder_config": tower, "name": self.name,
         }
         if self.quant is not None:
             out["quantization_config"] = {"quant_method": self.quant.quant_method,

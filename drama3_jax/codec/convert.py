@@ -86,7 +86,7 @@ def _snake(path, fish, c):
 def _residual_unit(path, fish, c, dilation):
     return (_snake(path + ".snake1", fish + ".block.0", c) + _conv(path + ".conv1", fish + ".block.1.conv", c, c, 7)
             + _snake(path + ".snake2", fish + ".block.2", c)
-            + _conv(path + ".conv2", fish + ".block.3.conv", c, c, 1, gain=0.5))
+            + _conv(path + ".conv2", fish + ".block.3.conv", c, c, 1, gain=0.3))
 
 
 def _linear(path, fish, c_in, c_out):
@@ -184,7 +184,7 @@ def codec_tensors(cfg: CodecConfig) -> list[CodecTensor]:
             t += _residual_unit(f"{p}.units.{j}", f"{f}.{j + 2}", dims[i + 1], dil)
     nd = len(cfg.decoder_rates)
     t += _snake("decoder.snake_out", f"decoder.model.{nd + 1}", dims[-1])
-    t += _conv("decoder.conv_out", f"decoder.model.{nd + 2}.conv", dims[-1], 1, 7, gain=0.3)
+    t += _conv("decoder.conv_out", f"decoder.model.{nd + 2}.conv", dims[-1], 1, 7, gain=0.1)
     return t
 
 

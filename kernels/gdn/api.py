@@ -1,41 +1,56 @@
 """Public Gated DeltaNet entry points; `backend` picks the implementation.
 
-Backends: "reference" (plain jnp, the truth; `gdn_prefill` uses the chunked form, "reference_recurrent" the
-token-by-token scan). Pallas GPU backends register here when they exist.
+Backends:
+  "reference"            plain jnp, the truth (`gdn_prefill`: chunked WY form; decode: conv + recurrence step).
+  "reference_recurrent"  prefill only: the token-by-token scan.
+  "pallas_triton"        Pallas GPU kernels, Triton lowering (kernels/gdn/pallas_triton.py): chunked prefill
+                         (two launches) and the fused single-step decode on the slot pools (one launch, in place).
+  "auto"                 "pallas_triton" when JAX's default backend is a GPU, else "reference".
+
+Extra keyword arguments (`**backend_kwargs`) go to the chosen implementation, e.g. `interpret=True` (Pallas
+interpret mode, for CPU tests) or tuning overrides (`bv=`, `num_warps=`, `dot=` ...; see pallas_triton.TUNING).
+For the decode step, donate the conv/ssm pools at the enclosing `jax.jit` so the Pallas kernel updates them in
+place (no copy of the pool per step).
 """
 
 from __future__ import annotations
 
-from kernels.gdn import reference
+import jax
+
+from kernels.gdn import pallas_triton, reference
 
 PREFILL_BACKENDS = {
     "reference": reference.gated_delta_chunked,
     "reference_recurrent": reference.gated_delta_recurrent,
+    "pallas_triton": pallas_triton.gated_delta_chunk_prefill_triton,
 }
 DECODE_BACKENDS = {
     "reference": reference.gdn_decode_step,
+    "pallas_triton": pallas_triton.gdn_decode_step_triton,
 }
 
 
-def gdn_prefill(q, k, v, g, beta, initial_state=None, lengths=None, *, backend: str = "reference"):
+def gdn_prefill(q, k, v, g, beta, initial_state=None, lengths=None, *, backend: str = "reference", **backend_kwargs):
     """Gated delta rule over a batch of (right-padded) sequences.
 
     q, k [B, T, H_k, D_k]; v [B, T, H_v, D_v]; g (log decay), beta [B, T, H_v]; initial_state [B, H_v, D_k, D_v];
     lengths [B] int32 (None: all T). L2 norm of q/k and the D_k^-1/2 query scale happen inside.
     Returns (o [B, T, H_v, D_v] fp32, final_state [B, H_v, D_k, D_v] fp32)."""
-    return _pick(PREFILL_BACKENDS, backend)(q, k, v, g, beta, initial_state, lengths)
+    return _pick(PREFILL_BACKENDS, backend)(q, k, v, g, beta, initial_state, lengths, **backend_kwargs)
 
 
 def gdn_decode_step(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *, num_k_heads: int,
-                    head_k_dim: int, head_v_dim: int, slots=None, backend: str = "reference"):
+                    head_k_dim: int, head_v_dim: int, slots=None, backend: str = "reference", **backend_kwargs):
     """Fused single-token GDN step on slot pools; see `reference.gdn_decode_step` for shapes."""
     return _pick(DECODE_BACKENDS, backend)(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias,
                                            num_k_heads=num_k_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-                                           slots=slots)
+                                           slots=slots, **backend_kwargs)
 
 
 def _pick(table, backend):
+    if backend == "auto":
+        backend = "pallas_triton" if jax.default_backend() == "gpu" else "reference"
     try:
         return table[backend]
     except KeyError:
-        raise ValueError(f"unknown GDN backend {backend!r}; available: {sorted(table)}") from None
+        raise ValueError(f"unknown GDN backend {backend!r}; available: {sorted(table) + ['auto']}") from None

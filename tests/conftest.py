@@ -1,0 +1,51 @@
+"""Shared fixtures: a tiny random checkpoint in the real HF layout, converted once per session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np
+import pytest
+
+from drama3_jax.checkpoint import convert, write_random_checkpoint
+from drama3_jax.config import tiny_config
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    return tiny_config()
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, tiny_cfg):
+    return write_random_checkpoint(tiny_cfg, tmp_path_factory.mktemp("tiny_hf"), seed=1234)
+
+
+@pytest.fixture(scope="session")
+def tiny_fp8_dir(tmp_path_factory, tiny_hf_dir):
+    out = tmp_path_factory.mktemp("tiny_fp8") / "ckpt"
+    convert(tiny_hf_dir, out, experts="fp8", progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16_dir(tmp_path_factory, tiny_hf_dir):
+    out = tmp_path_factory.mktemp("tiny_bf16") / "ckpt"
+    convert(tiny_hf_dir, out, experts="bf16", progress=False)
+    return out
+
+
+def random_rows(cfg, batch: int, length: int, seed: int, semantic_from: int = 0) -> np.ndarray:
+    """Frame rows [B, T, 1+K]: random text rows, then random semantic rows from `semantic_from` on."""
+    r = np.random.default_rng(seed)
+    K = cfg.num_codebooks
+    rows = np.zeros((batch, length, 1 + K), np.int32)
+    rows[..., 0] = r.integers(0, cfg.semantic_start_token_id, (batch, length))
+    n = length - semantic_from
+    c0 = r.integers(0, cfg.band_size, (batch, n))
+    rows[:, semantic_from:, 0] = cfg.semantic_start_token_id + c0
+    rows[:, semantic_from:, 1] = c0
+    rows[:, semantic_from:, 2:] = r.integers(0, cfg.tower.vocab_size, (batch, n, K - 1))
+    return rows
