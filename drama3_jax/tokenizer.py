@@ -70,6 +70,10 @@ class Drama3Tokenizer:
 
         ids = {t: need(t) for t in STRUCTURAL}
         speakers = tuple(need(speaker_token(n)) for n in range(NUM_SPEAKERS))
+        for t, i in [*ids.items(), *((speaker_token(n), s) for n, s in enumerate(speakers))]:
+            got = tokenizer.encode(t, add_special_tokens=False).ids
+            if got != [i]:  # prompt segments spell these out, so the tokenizer must split them out as one id
+                raise TokenizerError(f"tokenizer encodes {t} as {got}, not as its added-token id [{i}]")
         band = cfg.band_size
         for c in range(band):  # the builder writes semantic_start + c0, so the band must be contiguous
             got = need(semantic_token(c))
