@@ -71,8 +71,8 @@ def parse_turns(text: str, where: str = "text") -> list[tuple[int, str]]:
     for m in re.finditer(r"<\|speaker", text):
         tag = SPEAKER_TAG.match(text, m.start())
         if tag is None or tag.group(1) not in _SPEAKER_NAMES:
-            bad = text[m.start():text.find("|>", m.start()) + 2] if "|>" in text[m.start():] else text[m.start():]
-            raise PromptError(f"{where}: bad speaker tag {bad[:24]!r}; speaker tags are <|speaker:0|>.."
+            bad = re.compile(r"<\|speaker[^|<>]{0,12}(\|>)?").match(text, m.start()).group()
+            raise PromptError(f"{where}: bad speaker tag {bad!r}; speaker tags are <|speaker:0|>.."
                               f"<|speaker:{NUM_SPEAKERS - 1}|> without leading zeros")
     parts = SPEAKER_TAG.split(text)
     turns = [(0, parts[0])] + [(int(n), body) for n, body in zip(parts[1::2], parts[2::2])]
