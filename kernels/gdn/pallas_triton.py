@@ -1,0 +1,378 @@
+"""Gated DeltaNet Pallas kernels, Triton lowering (`pl.pallas_call` + `plt.CompilerParams`), for the H200.
+
+Two kernels families, same math as `reference.py` (see its docstring for shapes and the recurrence):
+
+* `gdn_decode_step_triton` - one token per stream, all streams at once, fully fused: causal conv1d state update
+  (kernel K) + SiLU on the q/k/v channels, beta/decay from the raw a/b projections, q/k L2 norm, delta-rule update,
+  output. Grid (stream, key head): one program owns the conv channels of its key head (q and k) and of the `rep`
+  value heads that share it, so each conv-state element and each state tile is read once and written once by one
+  program, in place in the slot pools (`input_output_aliases`; donate the pools at the outer `jax.jit` so XLA does
+  not copy them). The state is walked in [D_k, bv] tiles with the next tile's load issued before the current
+  tile's store (a hand-made 2-stage pipeline). Design after vLLM's `fused_sigmoid_gating_delta_rule_update`
+  (one program per (stream, value-head, V-slice), state read/written in place at the slot index), here fused
+  further with the conv1d update.
+
+* `gated_delta_chunk_prefill_triton` - chunked prefill (chunk 64, WY/UT form) for a right-padded batch with
+  per-sequence lengths, initial state in, final state out, q/k L2 norm fused. Two launches:
+    1. `_prep_kernel`, parallel over (sequence, value head, chunk): L2 norm, chunk-local cumsum of the log decay,
+       A = strictly-lower(beta K K^T * decay) in 16x16 blocks, (I + A)^-1 by forward substitution of the four
+       diagonal 16x16 blocks and block merges (FLA `solve_tril` idea), then w = (I+A)^-1 (beta e^g k),
+       u = (I+A)^-1 (beta v) and the masked intra-chunk scores Aqk = tril(q k^T * decay).
+    2. `_state_kernel`, grid (sequence, value head, D_v slice): walks the chunks sequentially with the
+       [D_k, bv] state slice held in registers (never round-tripping HBM between chunks):
+       v_new = u - w S;  o = (q e^g) S + Aqk v_new;  S <- e^{g_last} S + (k e^{g_last - g})^T v_new.
+  Algorithm as in FLA `chunk_gated_delta_rule` (chunk_scaled_dot_kkt + solve_tril + recompute_w_u, then
+  chunk_delta_h fused with chunk_o so the per-chunk states are never stored).
+
+Precision (`dot` mode): "float32" = IEEE fp32 dots (bit-for-bit the reference's math up to summation order; slow on
+GPU, used by the CPU tests), "tf32" = fp32 operands on tensor cores (TF32), "bfloat16" = bf16 operands, fp32
+accumulation (what FLA does). The inverse, cumsums, gates and the state are fp32 in every mode.
+
+Tuning values live in TUNING (data, not scattered constants).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels.gdn.reference import L2_EPS
+
+f32 = jnp.float32
+
+# Tuning table. Keys are read by the wrappers below; override per call with keyword arguments.
+TUNING = {
+    "decode": {"bv": 32, "num_warps": 4, "num_stages": 1},
+    "prefill_prep": {"num_warps": 4, "num_stages": 1},
+    "prefill_state": {"bv": 64, "num_warps": 4, "num_stages": 2, "static_loop": True},
+    "prefill": {"dot": "bfloat16"},
+}
+CHUNK = 64     # rows per chunk (prefill)
+SUB = 16       # rows per sub-block of the triangular inverse
+
+_DOT_DTYPE = {"float32": f32, "tf32": f32, "bfloat16": jnp.bfloat16}
+
+
+def _dot(a, b, mode: str, trans_a: bool = False):
+    """a @ b (or a^T @ b) with fp32 accumulation under the given operand mode."""
+    dt = _DOT_DTYPE[mode]
+    a = a.astype(dt)
+    b = b.astype(dt)
+    if mode == "tf32":
+        prec = (jax.lax.Precision.HIGH, jax.lax.Precision.HIGH)
+    elif mode == "float32":
+        prec = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    else:
+        prec = None
+    dims = (((0,), (0,)), ((), ())) if trans_a else (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=prec, preferred_element_type=f32)
+
+
+def _l2n(x):
+    """Row-wise L2 normalisation, as reference.l2_normalize (eps inside the rsqrt)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def _softplus(x):
+    return jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
+
+
+def _params(table: str, overrides: dict) -> dict:
+    p = dict(TUNING[table])
+    p.update({k: v for k, v in overrides.items() if v is not None})
+    return p
+
+
+# ==================================================================================================== decode
+def _decode_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref, state_ref,
+                   o_ref, conv_out_ref, state_out_ref, *, hk, dk, dv, rep, bv, ksize):
+    bi = pl.program_id(0)
+    kh = pl.program_id(1)
+    slot = slots_ref[bi]
+    kd = hk * dk
+    xdt = x_ref.dtype
+    cdt = conv_out_ref.dtype
+    sdt = state_out_ref.dtype
+
+    def conv(off, n):
+        """Causal conv over [conv_state rows..., x] for channels [off, off + n), SiLU; shifts the conv state.
+        Same casts as reference.causal_conv1d: the state is cast to x's dtype before the fp32 sum."""
+        ch = pl.ds(off, n)
+        xs = [conv_ref[slot, i, ch].astype(xdt) for i in range(ksize - 1)] + [x_ref[bi, ch]]
+        y = xs[0].astype(f32) * w_ref[ch, 0].astype(f32)
+        for i in range(1, ksize):
+            y = y + xs[i].astype(f32) * w_ref[ch, i].astype(f32)
+        for i in range(ksize - 1):  # each channel is loaded and stored by this program only
+            conv_out_ref[slot, i, ch] = xs[i + 1].astype(cdt)
+        return y * jax.nn.sigmoid(y)
+
+    q = _l2n(conv(kh * dk, dk)) * (dk ** -0.5)
+    k = _l2n(conv(kd + kh * dk, dk))
+
+    tiles = [(r, j) for r in range(rep) for j in range(dv // bv)]
+
+    def load_tile(r, j):
+        h = kh * rep + r
+        return state_ref[slot, h, :, pl.ds(j * bv, bv)]
+
+    nxt = load_tile(*tiles[0])
+    for t, (r, j) in enumerate(tiles):
+        cur = nxt
+        if t + 1 < len(tiles):
+            nxt = load_tile(*tiles[t + 1])  # issued before this tile's store: overlaps its latency
+        h = kh * rep + r
+        if j == 0:
+            g = -jnp.exp(alog_ref[h].astype(f32)) * _softplus(a_ref[bi, h].astype(f32) + dtb_ref[h].astype(f32))
+            beta = jax.nn.sigmoid(b_ref[bi, h].astype(f32))
+            decay = jnp.exp(g)
+        v = conv(2 * kd + h * dv + j * bv, bv)
+        s = cur.astype(f32) * decay                      # [dk, bv]
+        kv = jnp.sum(s * k[:, None], axis=0)             # S^T k
+        delta = beta * (v - kv)
+        s = s + k[:, None] * delta[None, :]
+        o = jnp.sum(s * q[:, None], axis=0)              # S^T q
+        state_out_ref[slot, h, :, pl.ds(j * bv, bv)] = s.astype(sdt)
+        o_ref[bi, h, pl.ds(j * bv, bv)] = o
+
+
+def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *,
+                           num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, interpret: bool = False,
+                           bv: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+    """Fused single-token GDN step on slot pools; same contract as `reference.gdn_decode_step`.
+
+    The pools are updated in place (input_output_aliases); only the `slots` rows change. Donate conv_state and
+    ssm_state at the enclosing jit to avoid a copy of the pool."""
+    p = _params("decode", dict(bv=bv, num_warps=num_warps, num_stages=num_stages))
+    B, C = mixed_qkv.shape
+    hv = a.shape[-1]
+    hk, dk, dv = num_k_heads, head_k_dim, head_v_dim
+    rep = hv // hk
+    ksize = conv_weight.shape[-1]
+    bv_ = min(p["bv"], dv)
+    assert C == 2 * hk * dk + hv * dv and conv_state.shape[1:] == (ksize - 1, C)
+    assert ssm_state.shape[1:] == (hv, dk, dv) and dv % bv_ == 0
+    if slots is None:
+        assert conv_state.shape[0] == B and ssm_state.shape[0] == B
+        slots = jnp.arange(B, dtype=jnp.int32)
+    slots = slots.astype(jnp.int32)
+    kernel = functools.partial(_decode_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize)
+    o, conv_state, ssm_state = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((B, hv, dv), f32),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
+                   jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)),
+        grid=(B, hk),
+        input_output_aliases={7: 1, 8: 2},
+        compiler_params=plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"]),
+        interpret=interpret,
+        name="gdn_decode_step",
+    )(slots, mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, ssm_state)
+    return o, conv_state, ssm_state
+
+
+# ==================================================================================================== prefill
+def _tri_inv_unit(blocks, n):
+    """(I + A)^-1 for each strictly lower-triangular [n, n] A in `blocks`, by forward substitution on rows (fp32):
+    row i of X = e_i - sum_{m<i} A[i, m] X[m, :]. One loop over rows updates all blocks (a compact kernel body)."""
+    r = jnp.arange(n, dtype=jnp.int32)[:, None]
+    c = jnp.arange(n, dtype=jnp.int32)[None, :]
+    eye = jnp.where(r == c, 1.0, 0.0).astype(f32)
+
+    def row(i, Xs):
+        out = []
+        for A, X in zip(blocks, Xs):
+            a_i = jnp.sum(jnp.where(r == i, A, 0.0), axis=0)      # row i of A, indexed by m
+            contrib = jnp.sum(a_i[:, None] * X, axis=0)           # sum_m A[i, m] X[m, :]
+            out.append(jnp.where(r == i, X - contrib[None, :], X))
+        return tuple(out)
+
+    return jax.lax.fori_loop(1, n, row, tuple(eye for _ in blocks))
+
+
+def _masked_load(ref, mask, shape, dtype=f32):
+    return plt.load(ref, mask=jnp.broadcast_to(mask, shape), other=0).astype(dtype)
+
+
+def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, gc_ref, *,
+                 rep, dk, dv, scale, dot):
+    """Per (sequence, value head, chunk): w, u, Aqk and the chunk-local cumulative log decay."""
+    bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = h // rep
+    L = len_ref[bi]
+    t0 = c * CHUNK
+    nb = CHUNK // SUB
+    wdt, adt = w_ref.dtype, aqk_ref.dtype
+
+    @pl.when(t0 < L)  # chunks wholly past the sequence end are never read by the state kernel
+    def _():
+        sr = jnp.arange(SUB, dtype=jnp.int32)
+        ks, rks, rvs, gcs, betas = [], [], [], [], []
+        off = jnp.zeros((), f32)
+        for i in range(nb):
+            s0 = t0 + i * SUB
+            valid = (s0 + sr) < L
+            rows = pl.ds(s0, SUB)
+            k_i = _l2n(_masked_load(k_ref.at[bi, rows, kh, :], valid[:, None], (SUB, dk)))
+            v_i = _masked_load(v_ref.at[bi, rows, h, :], valid[:, None], (SUB, dv))
+            g_i = _masked_load(g_ref.at[bi, rows, h], valid, (SUB,))
+            be_i = _masked_load(beta_ref.at[bi, rows, h], valid, (SUB,))
+            gc_i = jnp.cumsum(g_i) + off
+            off = off + jnp.sum(g_i)
+            ks.append(k_i)
+            gcs.append(gc_i)
+            betas.append(be_i)
+            rks.append(k_i * (be_i * jnp.exp(gc_i))[:, None])
+            rvs.append(v_i * be_i[:, None])
+        r16 = sr[:, None]
+        c16 = sr[None, :]
+        A = {}
+        for i in range(nb):
+            for j in range(i + 1):
+                kk = _dot_nt(ks[i], ks[j], dot)
+                m = (r16 > c16) if i == j else jnp.ones((SUB, SUB), bool)
+                dg = jnp.where(m, gcs[i][:, None] - gcs[j][None, :], 0.0)
+                A[i, j] = jnp.where(m, betas[i][:, None] * kk * jnp.exp(dg), 0.0)
+        X = dict(zip([(i, i) for i in range(nb)], _tri_inv_unit([A[i, i] for i in range(nb)], SUB)))
+        for d in range(1, nb):  # block forward substitution: X_ij = -X_ii sum_{m=j}^{i-1} A_im X_mj
+            for i in range(d, nb):
+                j = i - d
+                acc = _dot(A[i, j], X[j, j], "float32")
+                for m in range(j + 1, i):
+                    acc = acc + _dot(A[i, m], X[m, j], "float32")
+                X[i, j] = -_dot(X[i, i], acc, "float32")
+        for i in range(nb):
+            w_i = _dot(X[i, 0], rks[0], dot)
+            u_i = _dot(X[i, 0], rvs[0], dot)
+            for j in range(1, i + 1):
+                w_i = w_i + _dot(X[i, j], rks[j], dot)
+                u_i = u_i + _dot(X[i, j], rvs[j], dot)
+            rows = pl.ds(t0 + i * SUB, SUB)
+            w_ref[bi, h, rows, :] = w_i.astype(wdt)
+            u_ref[bi, h, rows, :] = u_i.astype(u_ref.dtype)
+        # Whole-chunk intra scores.
+        cr = jnp.arange(CHUNK, dtype=jnp.int32)
+        valid = (t0 + cr) < L
+        rows = pl.ds(t0, CHUNK)
+        qf = _l2n(_masked_load(q_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk))) * scale
+        kf = _l2n(_masked_load(k_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk)))
+        gf = jnp.cumsum(_masked_load(g_ref.at[bi, rows, h], valid, (CHUNK,)))
+        tri = cr[:, None] >= cr[None, :]
+        dg = jnp.where(tri, gf[:, None] - gf[None, :], 0.0)
+        aqk = jnp.where(tri, _dot_nt(qf, kf, dot) * jnp.exp(dg), 0.0)
+        aqk_ref[bi, h, rows, :] = aqk.astype(adt)
+        gc_ref[bi, h, rows] = gf
+
+
+def _dot_nt(a, b, mode):
+    """a @ b^T (contract the last dims)."""
+    dt = _DOT_DTYPE[mode]
+    prec = {"tf32": (jax.lax.Precision.HIGH,) * 2, "float32": (jax.lax.Precision.HIGHEST,) * 2}.get(mode)
+    return jax.lax.dot_general(a.astype(dt), b.astype(dt), (((1,), (1,)), ((), ())), precision=prec,
+                               preferred_element_type=f32)
+
+
+def _state_kernel(len_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref, gc_ref, *rest, rep, dk, bv, T, nc, scale, dot,
+                  has_init, static_loop):
+    """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers."""
+    if has_init:
+        s0_ref, o_ref, st_ref = rest
+    else:
+        o_ref, st_ref = rest
+    bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = h // rep
+    L = len_ref[bi]
+    cols = pl.ds(j * bv, bv)
+    cr = jnp.arange(CHUNK, dtype=jnp.int32)
+    if has_init:
+        S = s0_ref[bi, h, :, cols].astype(f32)
+    else:
+        S = jnp.zeros((dk, bv), f32)
+
+    def body(c, S):
+        t0 = c * CHUNK
+        rows = pl.ds(t0, CHUNK)
+        valid = (t0 + cr) < L
+        live = jnp.broadcast_to(t0 < L, (CHUNK,))       # chunk has any valid row (else: a no-op chunk)
+        q = _l2n(_masked_load(q_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk))) * scale
+        k = _l2n(_masked_load(k_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk)))
+        gc = _masked_load(gc_ref.at[bi, h, rows], live, (CHUNK,))
+        gl = jnp.sum(jnp.where(cr == CHUNK - 1, gc, 0.0))
+        w = _masked_load(w_ref.at[bi, h, rows, :], live[:, None], (CHUNK, dk), w_ref.dtype)
+        u = _masked_load(u_ref.at[bi, h, rows, cols], live[:, None], (CHUNK, bv))
+        aqk = _masked_load(aqk_ref.at[bi, h, rows, :], live[:, None], (CHUNK, CHUNK), aqk_ref.dtype)
+        qg = q * jnp.exp(gc)[:, None]
+        kg = k * jnp.exp(gl - gc)[:, None]
+        v_new = u - _dot(w, S, dot)
+        o = _dot(qg, S, dot) + _dot(aqk, v_new, dot)
+        S = jnp.exp(gl) * S + _dot(kg, v_new, dot, trans_a=True)
+        plt.store(o_ref.at[bi, rows, h, cols], o, mask=jnp.broadcast_to(((t0 + cr) < T)[:, None], (CHUNK, bv)))
+        return S
+
+    if static_loop:  # fixed trip count (scf.for: Triton can software-pipeline the loads); dead chunks are no-ops
+        S = jax.lax.fori_loop(0, nc, body, S)
+    else:            # only the live chunks, then zero-fill the rest of the output
+        ncv = (L + CHUNK - 1) // CHUNK
+        S = jax.lax.fori_loop(0, ncv, body, S)
+
+        def zero(c, carry):
+            t0 = c * CHUNK
+            plt.store(o_ref.at[bi, pl.ds(t0, CHUNK), h, cols], jnp.zeros((CHUNK, bv), f32),
+                      mask=jnp.broadcast_to(((t0 + cr) < T)[:, None], (CHUNK, bv)))
+            return carry
+
+        jax.lax.fori_loop(ncv, nc, zero, 0)
+    st_ref[bi, h, :, cols] = S
+
+
+def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengths=None, *, interpret: bool = False,
+                                     dot: str | None = None, bv: int | None = None, static_loop: bool | None = None,
+                                     num_warps: int | None = None, num_stages: int | None = None,
+                                     prep_num_warps: int | None = None):
+    """Chunked gated delta rule; same contract as `reference.gated_delta_chunked` (o and final state in fp32).
+
+    q, k [B, T, H_k, D_k]; v [B, T, H_v, D_v]; g (log decay), beta [B, T, H_v]; initial_state [B, H_v, D_k, D_v]
+    (fp32 or bf16); lengths [B] (None: all T). Positions >= lengths[b] give zero output and leave the state alone."""
+    pd = _params("prefill", dict(dot=dot))
+    ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
+    pp = _params("prefill_prep", dict(num_warps=prep_num_warps))
+    dot = pd["dot"]
+    B, T, hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    rep = hv // hk
+    nc = pl.cdiv(T, CHUNK)
+    tp = nc * CHUNK
+    bv_ = min(ps["bv"], dv)
+    assert dv % bv_ == 0 and k.shape == q.shape and g.shape == beta.shape == (B, T, hv)
+    if lengths is None:
+        lengths = jnp.full((B,), T, jnp.int32)
+    lengths = jnp.minimum(lengths.astype(jnp.int32), T)
+    scale = dk ** -0.5
+    inter = _DOT_DTYPE[dot]  # w and Aqk are only ever dot operands: store them in the operand dtype
+    w, u, aqk, gc = pl.pallas_call(
+        functools.partial(_prep_kernel, rep=rep, dk=dk, dv=dv, scale=scale, dot=dot),
+        out_shape=(jax.ShapeDtypeStruct((B, hv, tp, dk), inter),
+                   jax.ShapeDtypeStruct((B, hv, tp, dv), f32),
+                   jax.ShapeDtypeStruct((B, hv, tp, CHUNK), inter),
+                   jax.ShapeDtypeStruct((B, hv, tp), f32)),
+        grid=(B, hv, nc),
+        compiler_params=plt.CompilerParams(num_warps=pp["num_warps"], num_stages=pp["num_stages"]),
+        interpret=interpret,
+        name="gdn_prefill_prep",
+    )(lengths, q, k, v, g, beta)
+    has_init = initial_state is not None
+    args = (lengths, q, k, w, u, aqk, gc) + ((initial_state,) if has_init else ())
+    o, st = pl.pallas_call(
+        functools.partial(_state_kernel, rep=rep, dk=dk, bv=bv_, T=T, nc=nc, scale=scale, dot=dot,
+                          has_init=has_init, static_loop=ps["static_loop"]),
+        out_shape=(jax.ShapeDtypeStruct((B, T, hv, dv), f32),
+                   jax.ShapeDtypeStruct((B, hv, dk, dv), f32)),
+        grid=(B, hv, dv // bv_),
+        compiler_params=plt.CompilerParams(num_warps=ps["num_warps"], num_stages=ps["num_stages"]),
+        interpret=interpret,
+        name="gdn_prefill_state",
+    )(*args)
+    return o, st

@@ -1,0 +1,263 @@
+"""Gated DeltaNet Pallas kernels (Triton lowering) vs the plain-jnp reference, in Pallas interpret mode on CPU.
+
+Tolerances (relative Frobenius error ||x - ref|| / ||ref||):
+  * fp32 dot mode (`dot="float32"`) vs the token-by-token recurrence: <= 2e-5 (only the summation order differs;
+    measured ~5e-7 for the chunked prefill, ~1e-7 for decode).
+  * bf16 dot operands (`dot="bfloat16"`, the fast GPU mode, as FLA does): <= 2e-2.
+  * bf16 state pool, one decode step vs the reference step on the same bf16 pool: <= 1e-2 (both round the same fp32
+    update to bf16); 40 decode steps with a bf16 pool vs an fp32 pool: <= 3e-2 on the outputs.
+Interpret mode fills un-written outputs with NaN, so "no NaN + exact zeros past each length" checks full coverage.
+Shapes are kept small (the interpreter runs each grid point in a loop); one case per kernel uses the full head
+dimension 128, and the lowering test lowers both kernels at full Drama 3 shapes for an (abstract) H200.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.gdn import api, pallas_triton, reference
+
+f32 = jnp.float32
+# jitted references (eager op-by-op dispatch would dominate the test time)
+ref_recurrent = jax.jit(reference.gated_delta_recurrent)
+ref_decode = jax.jit(reference.gdn_decode_step, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim"))
+ref_conv = jax.jit(reference.causal_conv1d)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(kind, static_kwargs):
+    fn = api.gdn_prefill if kind == "prefill" else api.gdn_decode_step
+    return jax.jit(functools.partial(fn, backend="pallas_triton", interpret=True, **dict(static_kwargs)))
+
+
+def kernel_prefill(*args, **kw):
+    """The Pallas prefill through the public api, in interpret mode, jitted once per static configuration."""
+    return _jitted("prefill", tuple(sorted(kw.items())))(*args)
+
+
+def kernel_decode(*args, slots=None, **kw):
+    return _jitted("decode", tuple(sorted(kw.items())))(*args, slots=slots)
+
+
+def rel(x, y) -> float:
+    x = np.asarray(jnp.asarray(x, f32), np.float64)
+    y = np.asarray(jnp.asarray(y, f32), np.float64)
+    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
+
+
+def prefill_inputs(seed, B, T, hk, hv, dk, dv, dtype=f32):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q = jax.random.normal(ks[0], (B, T, hk, dk), dtype)
+    k = jax.random.normal(ks[1], (B, T, hk, dk), dtype)
+    v = jax.random.normal(ks[2], (B, T, hv, dv), dtype)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (B, T, hv))) * 0.5   # log decay in about [-2, 0)
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, hv)))
+    s0 = jax.random.normal(ks[5], (B, hv, dk, dv)) * 0.2
+    return q, k, v, g, beta, s0
+
+
+def nan_pad(x, lengths):
+    """Garbage (NaN) at positions >= lengths: the kernel must not read them into the math."""
+    T = x.shape[1]
+    valid = jnp.arange(T)[None, :] < lengths[:, None]
+    return jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)), x, jnp.nan).astype(x.dtype)
+
+
+def decode_inputs(seed, slots_total, B, hk, hv, dk, dv, K=4, state_dtype=f32, x_dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 8)
+    C = 2 * hk * dk + hv * dv
+    x = jax.random.normal(ks[0], (B, C), x_dtype)
+    a = jax.random.normal(ks[1], (B, hv), x_dtype)
+    b = jax.random.normal(ks[2], (B, hv), x_dtype)
+    conv = jax.random.normal(ks[3], (slots_total, K - 1, C), x_dtype)
+    ssm = (jax.random.normal(ks[4], (slots_total, hv, dk, dv)) * 0.2).astype(state_dtype)
+    w = (jax.random.normal(ks[5], (C, K)) * 0.5).astype(x_dtype)
+    A_log = jax.random.normal(ks[6], (hv,)) * 0.5
+    dt_bias = jax.random.normal(ks[7], (hv,))
+    return x, a, b, conv, ssm, w, A_log, dt_bias
+
+
+# ------------------------------------------------------------------------------------------------ prefill
+@pytest.mark.parametrize("static_loop", [False, True])
+def test_prefill_ragged_matches_recurrence(static_loop):
+    """Lengths 1, 63, 64, 65, 300 in one right-padded batch, initial state carried in, NaN garbage past lengths."""
+    B, T, hk, hv, dk, dv = 5, 300, 1, 2, 32, 32
+    if static_loop:  # the static trip-count variant is slower to interpret: a shorter batch
+        T, lengths = 130, jnp.array([1, 63, 64, 65, 130], jnp.int32)
+    else:
+        lengths = jnp.array([1, 63, 64, 65, 300], jnp.int32)
+    q, k, v, g, beta, s0 = prefill_inputs(0, B, T, hk, hv, dk, dv)
+    o, st = kernel_prefill(*(nan_pad(x, lengths) for x in (q, k, v, g, beta)), s0, lengths, dot="float32", bv=16,
+                           static_loop=static_loop)
+    o_ref, st_ref = ref_recurrent(q, k, v, g, beta, s0, lengths)
+    assert o.shape == (B, T, hv, dv) and o.dtype == f32 and st.shape == (B, hv, dk, dv) and st.dtype == f32
+    assert not bool(jnp.isnan(o).any()) and not bool(jnp.isnan(st).any())
+    pad = jnp.arange(T)[None, :] >= lengths[:, None]
+    assert bool((jnp.where(pad[..., None, None], o, 0.0) == 0).all()) and bool((o[pad] == 0).all())
+    for i in range(B):
+        n = int(lengths[i])
+        assert rel(o[i, :n], o_ref[i, :n]) <= 2e-5, i
+        assert rel(st[i], st_ref[i]) <= 2e-5, i
+
+
+def test_prefill_full_head_dim_no_state_no_lengths():
+    """D = 128 (the real head dim, default tuning), exactly one chunk, no initial state, lengths=None."""
+    q, k, v, g, beta, _ = prefill_inputs(1, 1, 64, 1, 2, 128, 128)
+    o, st = kernel_prefill(q, k, v, g, beta, dot="float32")
+    o_ref, st_ref = ref_recurrent(q, k, v, g, beta)
+    assert rel(o, o_ref) <= 2e-5 and rel(st, st_ref) <= 2e-5
+
+
+def test_prefill_bf16_dots_and_bf16_inputs():
+    """The fast GPU mode: bf16 q/k/v inputs, bf16 dot operands, bf16 initial state; fp32 accumulation."""
+    B, T, hk, hv, dk, dv = 2, 130, 2, 4, 32, 32
+    lengths = jnp.array([130, 70], jnp.int32)
+    q, k, v, g, beta, s0 = prefill_inputs(2, B, T, hk, hv, dk, dv, jnp.bfloat16)
+    s0 = s0.astype(jnp.bfloat16)
+    o, st = kernel_prefill(q, k, v, g, beta, s0, lengths, dot="bfloat16", bv=16)
+    o_ref, st_ref = ref_recurrent(q, k, v, g, beta, s0, lengths)
+    assert not bool(jnp.isnan(o).any())
+    assert rel(o, o_ref) <= 2e-2 and rel(st, st_ref) <= 2e-2
+    assert rel(o, o_ref) > 0  # really ran with bf16 operands (not silently fp32)
+
+
+# ------------------------------------------------------------------------------------------------ decode
+@pytest.mark.parametrize("state_dtype,dims", [(f32, (2, 4, 32, 32)), (jnp.bfloat16, (2, 4, 32, 32)),
+                                              (f32, (1, 2, 128, 128))])
+def test_decode_step_matches_reference(state_dtype, dims):
+    """Slots in the batch are updated like the reference; every other slot is left bit-for-bit untouched."""
+    hk, hv, dk, dv = dims
+    S, B = 6, 4
+    slots = jnp.array([5, 0, 3, 2], jnp.int32)
+    x, a, b, conv, ssm, w, A_log, dt_bias = decode_inputs(3, S, B, hk, hv, dk, dv, state_dtype=state_dtype)
+    kw = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, slots=slots)
+    tune = {"bv": 16} if dv == 32 else {}
+    o, conv1, ssm1 = kernel_decode(x, a, b, conv, ssm, w, A_log, dt_bias, **tune, **kw)
+    o_r, conv_r, ssm_r = ref_decode(x, a, b, conv, ssm, w, A_log, dt_bias, **kw)
+    assert o.shape == (B, hv, dv) and o.dtype == f32 and not bool(jnp.isnan(o).any())
+    assert ssm1.dtype == state_dtype and conv1.dtype == conv.dtype
+    assert bool((conv1 == conv_r).all())                         # conv shift: exact
+    untouched = jnp.array([1, 4])
+    assert bool((ssm1[untouched] == ssm[untouched]).all()) and bool((conv1[untouched] == conv[untouched]).all())
+    tol = 1e-5 if state_dtype == f32 else 1e-2
+    assert rel(o, o_r) <= tol
+    assert rel(ssm1[slots], ssm_r[slots]) <= tol
+    assert rel(ssm1[slots], ssm[slots]) > 1e-3                   # the addressed slots really changed
+
+
+def test_decode_without_slots_and_bf16_state_drift():
+    """slots=None (row i = slot i); 40 steps with a bf16 pool stay within 3e-2 of the fp32 pool."""
+    hk, hv, dk, dv, B, n = 1, 2, 32, 32, 2, 40
+    x, a, b, conv, ssm, w, A_log, dt_bias = decode_inputs(4, B, B, hk, hv, dk, dv)
+    kw = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, interpret=True, bv=16)
+    step = jax.jit(lambda *args: pallas_triton.gdn_decode_step_triton(*args, **kw))
+    xs = jax.random.normal(jax.random.PRNGKey(5), (n, B, x.shape[1]), x.dtype)
+    ab = jax.random.normal(jax.random.PRNGKey(6), (n, 2, B, hv), a.dtype)
+    pools = {f32: (conv, ssm), jnp.bfloat16: (conv, ssm.astype(jnp.bfloat16))}
+    outs = {}
+    for dt, (c, s) in pools.items():
+        res = []
+        for t in range(n):
+            o, c, s = step(xs[t], ab[t, 0], ab[t, 1], c, s, w, A_log, dt_bias)
+            res.append(o)
+        outs[dt] = jnp.stack(res)
+        assert s.dtype == dt
+    # fp32 pool against the plain reference over the same 40 steps
+    c, s, res = conv, ssm, []
+    for t in range(n):
+        o, c, s = ref_decode(xs[t], ab[t, 0], ab[t, 1], c, s, w, A_log, dt_bias, num_k_heads=hk, head_k_dim=dk,
+                             head_v_dim=dv)
+        res.append(o)
+    assert rel(outs[f32], jnp.stack(res)) <= 2e-5
+    err = rel(outs[jnp.bfloat16], outs[f32])
+    assert 0 < err <= 3e-2
+
+
+def test_prefill_then_decode_equals_one_long_prefill():
+    """Ragged prompts (65 and 40 tokens) through conv + gates + the prefill kernel, then 3 fused decode steps
+    from the resulting pools: outputs and final state equal one reference pass over each whole sequence."""
+    hk, hv, dk, dv, K, n = 1, 2, 32, 32, 4, 3
+    C = 2 * hk * dk + hv * dv
+    kd = hk * dk
+    lens = [65, 40]
+    B, T = len(lens), max(lens)
+    ks = jax.random.split(jax.random.PRNGKey(7), 6)
+    seqs = [jax.random.normal(jax.random.fold_in(ks[0], i), (L + n, C)) for i, L in enumerate(lens)]
+    abs_ = [jax.random.normal(jax.random.fold_in(ks[1], i), (L + n, 2, hv)) for i, L in enumerate(lens)]
+    w = jax.random.normal(ks[2], (C, K)) * 0.5
+    A_log = jax.random.normal(ks[3], (hv,)) * 0.5
+    dt_bias = jax.random.normal(ks[4], (hv,))
+    lengths = jnp.array(lens, jnp.int32)
+
+    def split(y, Bn, Tn):
+        return (y[..., :kd].reshape(Bn, Tn, hk, dk), y[..., kd:2 * kd].reshape(Bn, Tn, hk, dk),
+                y[..., 2 * kd:].reshape(Bn, Tn, hv, dv))
+
+    # prompt: right-padded batch through the kernel
+    mixed = jnp.stack([jnp.pad(s[:L], ((0, T - L), (0, 0))) for s, L in zip(seqs, lens)])
+    ab = jnp.stack([jnp.pad(x[:L], ((0, T - L), (0, 0), (0, 0))) for x, L in zip(abs_, lens)])
+    y, conv_pool = ref_conv(mixed, w, None, lengths)
+    g, beta = reference.gdn_gates(ab[:, :, 0], ab[:, :, 1], A_log, dt_bias)
+    o_pre, ssm_pool = kernel_prefill(*split(y, B, T), g, beta, None, lengths, dot="float32", bv=16)
+    # decode: pools hold slot i = sequence i, in reverse slot order to exercise the indirection
+    slots = jnp.array([1, 0], jnp.int32)
+    conv_pool, ssm_pool = conv_pool[::-1], ssm_pool[::-1]
+    o_dec = []
+    for t in range(n):
+        x_t = jnp.stack([s[L + t] for s, L in zip(seqs, lens)])
+        ab_t = jnp.stack([x[L + t] for x, L in zip(abs_, lens)])
+        o, conv_pool, ssm_pool = kernel_decode(x_t, ab_t[:, 0], ab_t[:, 1], conv_pool, ssm_pool, w, A_log, dt_bias,
+                                               num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, slots=slots, bv=16)
+        o_dec.append(o)
+    o_dec = jnp.stack(o_dec, 1)  # [B, n, hv, dv]
+    for i, (s, x, L) in enumerate(zip(seqs, abs_, lens)):
+        yi, _ = ref_conv(s[None], w)
+        gi, bi = reference.gdn_gates(x[None, :, 0], x[None, :, 1], A_log, dt_bias)
+        o_full, st_full = ref_recurrent(*split(yi, 1, L + n), gi, bi)
+        assert rel(o_pre[i, :L], o_full[0, :L]) <= 2e-5
+        assert rel(o_dec[i], o_full[0, L:]) <= 2e-5
+        assert rel(ssm_pool[slots[i]], st_full[0]) <= 2e-5
+
+
+# ------------------------------------------------------------------------------------------------ dispatch / lowering
+def test_api_dispatch():
+    assert jax.default_backend() == "cpu"
+    assert api._pick(api.PREFILL_BACKENDS, "auto") is reference.gated_delta_chunked       # CPU: the reference
+    assert api._pick(api.DECODE_BACKENDS, "auto") is reference.gdn_decode_step
+    assert api._pick(api.PREFILL_BACKENDS, "pallas_triton") is pallas_triton.gated_delta_chunk_prefill_triton
+    assert api._pick(api.DECODE_BACKENDS, "pallas_triton") is pallas_triton.gdn_decode_step_triton
+    q, k, v, g, beta, _ = prefill_inputs(8, 1, 5, 1, 2, 16, 16)
+    with pytest.raises(ValueError, match="unknown GDN backend"):
+        api.gdn_prefill(q, k, v, g, beta, backend="nope")
+
+
+def test_triton_lowering_full_shapes_for_h200():
+    """Both kernels lower to Triton custom calls at full Drama 3 shapes (H_k 16, H_v 32, D 128, conv 8192) for an
+    abstract H200; the decode call aliases both pools in place (no copy of the pool per step)."""
+    sd = jax.ShapeDtypeStruct
+    B, T, S, hk, hv, d, K = 4, 300, 8, 16, 32, 128, 4
+    C = 2 * hk * d + hv * d
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    bf = jnp.bfloat16
+
+    def lower(f, *args, donate=()):
+        with jax.sharding.use_abstract_mesh(mesh):
+            return jax.jit(f, donate_argnums=donate).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    for sdt in (f32, bf):
+        txt = lower(lambda x, a, b, c, s, w, al, dt, sl: pallas_triton.gdn_decode_step_triton(
+            x, a, b, c, s, w, al, dt, num_k_heads=hk, head_k_dim=d, head_v_dim=d, slots=sl),
+            sd((B, C), bf), sd((B, hv), bf), sd((B, hv), bf), sd((S, K - 1, C), bf), sd((S, hv, d, d), sdt),
+            sd((C, K), bf), sd((hv,), f32), sd((hv,), f32), sd((B,), jnp.int32), donate=(3, 4))
+        assert txt.count("__gpu$xla.gpu.triton") == 1 and "output_operand_aliases" in txt
+    for dot in ("bfloat16", "tf32"):
+        txt = lower(lambda q, k, v, g, be, s0, ln: pallas_triton.gated_delta_chunk_prefill_triton(
+            q, k, v, g, be, s0, ln, dot=dot), sd((B, T, hk, d), bf), sd((B, T, hk, d), bf), sd((B, T, hv, d), bf),
+            sd((B, T, hv), f32), sd((B, T, hv), f32), sd((B, hv, d, d), f32), sd((B,), jnp.int32))
+        assert txt.count("__gpu$xla.gpu.triton") == 2
