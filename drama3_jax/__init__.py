@@ -7,6 +7,6 @@ __all__ = ["Drama3Config", "preset", "load"]
 
 def load(path, *, dtype=None):
     """Restore a converted checkpoint directory (see `scripts/convert_checkpoint.py`)."""
-    from drama3_jax.checkpoint import load_backbone
+    from drama3_jax.checkpoint import load_model
 
-    return load_backbone(path, dtype=dtype)
+    return load_model(path, dtype=dtype)

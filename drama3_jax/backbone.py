@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import Drama3Config, TextConfig
-from drama3_jax.nn import Embedding, Linear, RMSNorm, apply_rope_rotate_half, rms_norm, swiglu
+from drama3_jax.nn import Embedding, Linear, RMSNorm, apply_rope_rotate_half, rms_norm, swiglu, write_rows
 from kernels.attention import attention
 from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, gdn_gates
@@ -67,12 +67,6 @@ def init_cache(cfg: TextConfig, slots: int, max_len: int, dtype=jnp.bfloat16, st
         lengths=jnp.zeros((slots,), jnp.int32))
 
 
-def _write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """cache [B, L, ...] <- new [B, T, ...] at per-row offsets start [B]."""
-    upd = lambda c, n, s: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s,) + (0,) * (c.ndim - 1))
-    return jax.vmap(upd)(cache, new, start)
-
-
 # ------------------------------------------------------------------------------------------------ layers
 class _Container(nnx.Module):
     """A plain namespace node of the module tree (mirrors a checkpoint name prefix)."""
@@ -103,8 +97,8 @@ class GatedAttention(nnx.Module):
         v = self.v_proj(x).reshape(B, T, nkv, hd)
         q = apply_rope_rotate_half(q, positions, cfg.rotary_dim, cfg.rope_theta)
         k = apply_rope_rotate_half(k, positions, cfg.rotary_dim, cfg.rope_theta)
-        k_cache = _write_rows(k_cache, k, start)
-        v_cache = _write_rows(v_cache, v, start)
+        k_cache = write_rows(k_cache, k, start)
+        v_cache = write_rows(v_cache, v, start)
         if fresh:  # prompt starts at 0: attend over the new rows only
             o = attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, new_lengths, scale=hd ** -0.5,
                           backend=backend)

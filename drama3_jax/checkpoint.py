@@ -7,7 +7,7 @@ bf16 everywhere except routed experts (float8_e4m3fn `weight` [out, in] + fp32 `
 are stacked: `...mlp.experts.{E}.gate_proj.weight` -> `...mlp.experts.gate_proj.weight[E]`.
 
 Converted layout (`convert`): `DIR/config.json`, `DIR/drama3_manifest.json`, `DIR/weights/<group>/` (one Orbax
-checkpoint per group: `embed`, `layer_000`..., `head`), so conversion holds at most one layer in memory.
+checkpoint per group: `embed`, `layer_000`..., `head`, `tower`), so conversion holds at most one layer in memory.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Pattern:
-    """One row of the layout table. `scope`: where {L}/{E} expand: global, layer (all layers), linear (GDN layers),
-    full (attention layers), expert (all layers x experts). `shape(cfg)` is the checkpoint shape; `init` names the
+    """One row of the layout table. `scope`: where {L}/{E}/{i} expand: global, layer (all layers), linear (GDN
+    layers), full (attention layers), expert (all layers x experts), tower_shared / tower_residual (tower layers). `shape(cfg)` is the checkpoint shape; `init` names the
     distribution of the random writer."""
 
     hf: str
@@ -61,6 +61,37 @@ class Pattern:
 LM = "model.language_model."
 LAYER = LM + "layers.{L}."
 _t = lambda f: (lambda c: f(c.text))  # noqa: E731
+
+_a = lambda f: (lambda c: f(c.tower))  # noqa: E731
+
+
+def _tower_layer_patterns(prefix: str, scope: str, embedding: str) -> tuple[Pattern, ...]:
+    tl = prefix + "transformer_layer."
+    qkv = lambda a: (2 * a.n_head * a.head_dim + 2 * a.n_local_heads * a.head_dim, a.dim)
+    return (
+        Pattern(prefix + embedding + ".weight", scope, _a(lambda a: (a.vocab_size, a.dim)), init="embed"),
+        Pattern(prefix + "enorm.weight", scope, _a(lambda a: (a.dim,)), init="norm0"),
+        Pattern(prefix + "hnorm.weight", scope, _a(lambda a: (a.dim,)), init="norm0"),
+        Pattern(prefix + "eh_proj.weight", scope, _a(lambda a: (a.dim, 2 * a.dim))),
+        Pattern(prefix + "final_layernorm.weight", scope, _a(lambda a: (a.dim,)), init="norm0"),
+        Pattern(tl + "attention.wqkv.weight", scope, _a(qkv)),
+        Pattern(tl + "attention.wo.weight", scope, _a(lambda a: (a.dim, a.n_head * a.head_dim))),
+        Pattern(tl + "attention.q_norm.weight", scope, _a(lambda a: (a.head_dim,)), init="norm0"),
+        Pattern(tl + "attention.k_norm.weight", scope, _a(lambda a: (a.head_dim,)), init="norm0"),
+        Pattern(tl + "attention_norm.weight", scope, _a(lambda a: (a.dim,)), init="norm0"),
+        Pattern(tl + "ffn_norm.weight", scope, _a(lambda a: (a.dim,)), init="norm0"),
+        Pattern(tl + "feed_forward.w1.weight", scope, _a(lambda a: (a.intermediate_size, a.dim))),
+        Pattern(tl + "feed_forward.w3.weight", scope, _a(lambda a: (a.intermediate_size, a.dim))),
+        Pattern(tl + "feed_forward.w2.weight", scope, _a(lambda a: (a.dim, a.intermediate_size))),
+    )
+
+
+# Tower names: drama3-architecture.md 3.3 (sglang-omni weights.py / mlx-audio convert.py prefixes).
+TOWER_PATTERNS: tuple[Pattern, ...] = (
+    *_tower_layer_patterns("audio_decoder_mtp_shared.layers.{i}.", "tower_shared", "semantic_embedding"),
+    *_tower_layer_patterns("audio_decoder_mtp.layers.{i}.", "tower_residual", "codebook_embedding"),
+    Pattern("audio_decoder_mtp.heads.{i}.weight", "tower_residual", _a(lambda a: (a.vocab_size, a.dim))),
+)
 
 PATTERNS: tuple[Pattern, ...] = (
     Pattern(LM + "embed_tokens.weight", "global", _t(lambda t: (t.vocab_size, t.hidden_size)), init="embed",
@@ -107,6 +138,7 @@ PATTERNS: tuple[Pattern, ...] = (
     Pattern(LAYER + "mlp.experts.{E}.down_proj.weight", "expert",
             _t(lambda t: (t.hidden_size, t.moe_intermediate_size)), dtype="fp8"),
     Pattern(LM + "norm.weight", "global", _t(lambda t: (t.hidden_size,)), init="norm0", group="head"),
+    *TOWER_PATTERNS,
     Pattern("lm_head.weight", "global", _t(lambda t: (t.vocab_size, t.hidden_size)), group="head"),
 )
 
@@ -135,11 +167,17 @@ def checkpoint_tensors(cfg: Drama3Config) -> list[TensorSpec]:
     block = tuple(cfg.quant.weight_block_size) if cfg.quant else None
     layers = {"layer": range(t.num_hidden_layers), "linear": t.linear_attention_layers,
               "full": t.full_attention_layers, "expert": range(t.num_hidden_layers)}
+    tower = {"tower_shared": range(cfg.tower.n_layer), "tower_residual": range(cfg.tower.num_residual_layers)}
     by_group: dict[str, list[TensorSpec]] = defaultdict(list)
     for p in PATTERNS:
         shape = tuple(p.shape(cfg))
         if p.scope == "global":
             by_group[p.group].append(TensorSpec(p.hf, shape, p.dtype, _flax_path(p.hf), None, p.group, p.init))
+            continue
+        if p.scope in tower:
+            for i in tower[p.scope]:
+                name = p.hf.format(i=i)
+                by_group["tower"].append(TensorSpec(name, shape, p.dtype, _flax_path(name), None, "tower", p.init))
             continue
         for L in layers[p.scope]:
             group = f"layer_{L:03d}"
@@ -157,23 +195,23 @@ def checkpoint_tensors(cfg: Drama3Config) -> list[TensorSpec]:
                                                       scale_of=name))
                 else:
                     by_group[group].append(TensorSpec(name, shape, "bf16", stacked, E, group, "expert"))
-    order = ["embed"] + [f"layer_{L:03d}" for L in range(t.num_hidden_layers)] + ["head"]
+    order = ["embed"] + [f"layer_{L:03d}" for L in range(t.num_hidden_layers)] + ["head", "tower"]
     return [s for g in order for s in by_group.get(g, [])]
 
 
 def count_params(cfg: Drama3Config) -> dict[str, int]:
     """Parameter counts from the layout table (scales excluded): total, routed experts, and active per token
     (all non-expert parameters, embedding tables included, plus top-k of the routed experts)."""
-    total = routed = 0
+    total = routed = tower = 0
     for s in checkpoint_tensors(cfg):
         if s.scale_of is not None:
             continue
         n = math.prod(s.shape)
         total += n
-        if s.init == "expert":
-            routed += n
+        routed += n if s.init == "expert" else 0
+        tower += n if s.group == "tower" else 0
     active = total - routed + routed * cfg.text.num_experts_per_tok // cfg.text.num_experts
-    return {"total": total, "routed_experts": routed, "active": active}
+    return {"total": total, "routed_experts": routed, "tower": tower, "active": active}
 
 
 # ------------------------------------------------------------------------------------ random checkpoints
@@ -218,8 +256,9 @@ def random_tensors(cfg: Drama3Config, seed: int) -> Iterator[tuple[TensorSpec, n
 
 
 def write_random_checkpoint(cfg: Drama3Config, out_dir: str | Path, *, seed: int = 0,
-                            shard_bytes: int = 256 << 10) -> Path:
-    """Write config.json + sharded safetensors + index in the exact HF layout, deterministic from `seed`."""
+                            shard_bytes: int = 256 << 10, tokenizer: bool = True) -> Path:
+    """Write config.json + sharded safetensors + index in the exact HF layout, deterministic from `seed`, and (for
+    configs with the tiny vocabulary layout) a real byte-level BPE tokenizer.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[list[tuple[str, np.ndarray]]] = [[]]
@@ -241,6 +280,10 @@ def write_random_checkpoint(cfg: Drama3Config, out_dir: str | Path, *, seed: int
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     with open(out / "config.json", "w") as f:
         json.dump(cfg.to_dict(), f, indent=1)
+    if tokenizer:
+        from drama3_jax.tokenizer import write_tiny_tokenizer
+
+        write_tiny_tokenizer(out / "tokenizer.json", cfg)
     return out
 
 
@@ -368,14 +411,14 @@ def _merge(dst: dict, src: dict) -> None:
             dst[k] = v
 
 
-def load_backbone(path: str | Path, *, dtype=None):
-    """Restore a converted checkpoint into a `Drama3Backbone`.
+def load_model(path: str | Path, *, dtype=None):
+    """Restore a converted checkpoint into a `Drama3Model` (backbone + tower).
 
     dtype: cast floating weights (not FP8 weights or their fp32 scales) to this dtype, e.g. jnp.float32 for parity."""
     import orbax.checkpoint as ocp
     from flax import nnx
 
-    from drama3_jax.backbone import Drama3Backbone
+    from drama3_jax.model import Drama3Model
 
     path = Path(path)
     with open(path / MANIFEST) as f:
@@ -384,7 +427,7 @@ def load_backbone(path: str | Path, *, dtype=None):
         raise CheckpointError(f"{path}: unsupported converted-checkpoint format {manifest.get('format_version')}")
     cfg = Drama3Config.from_json(path / "config.json")
     fp8 = manifest["experts"] == "fp8"
-    abstract = nnx.eval_shape(lambda: Drama3Backbone(cfg, fp8_experts=fp8))
+    abstract = nnx.eval_shape(lambda: Drama3Model(cfg, fp8_experts=fp8))
     graphdef, state = nnx.split(abstract)
     pure: dict = {}
     ckptr = ocp.StandardCheckpointer()

@@ -57,6 +57,12 @@ def rms_norm(x, weight, eps: float, *, zero_centered: bool = True, out_dtype=Non
     return y.astype(out_dtype or x.dtype)
 
 
+def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """cache [B, L, ...] <- new [B, T, ...] at per-row offsets start [B] (a KV-cache write)."""
+    upd = lambda c, n, s: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s,) + (0,) * (c.ndim - 1))
+    return jax.vmap(upd)(cache, new, start)
+
+
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 

@@ -62,7 +62,7 @@ class TorchBackbone:
         tc._attn_implementation = "eager"
         model = hf.Qwen3_5MoeForCausalLM(tc)
         model.set_experts_implementation("eager")
-        raw = load_state(ckpt_dir)
+        raw = {k: v for k, v in load_state(ckpt_dir).items() if not k.startswith("audio_decoder_mtp")}  # tower
         block = tuple(self.cfg.get("quantization_config", {}).get("weight_block_size", (128, 128)))
         sd = {}
         n_exp = t["num_experts"]

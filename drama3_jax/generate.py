@@ -1,0 +1,212 @@
+"""Offline generation: prefill + one frame per decode step with explicit caches (backbone + tower).
+
+    codes = generate(model, tok, "Hello there.", references=[(codes_10xT, "transcript")], seed=0)   # [10, n]
+    for frame in generate_iter(model, tok, "Hello there.", seed=0): ...                             # [10] each
+
+`frame_step` is the whole per-frame computation (main-token sampling with RAS, the 13 tower layers with 9 head
+samplings, the backbone step on the new row); the serving engine runs the same function over its slot pool.
+
+CLI: python -m drama3_jax.generate --checkpoint DIR --text TEXT [--ref-codes X.npy --ref-text T]... --out codes.npy
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from drama3_jax.backbone import Backends
+from drama3_jax.model import Drama3Model, ModelCache
+from drama3_jax.prompt import build_prompt, history_for_chunk, split_long_text
+from drama3_jax.sampling import (RAS_WINDOW, SamplingParams, initial_recent, push_recent, sample_head,
+                                 sample_main)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Everything a stream carries between frames. h [B, H]: backbone hidden of the last row; row [B, 1+K]: the last
+    row; recent [B, W]: RAS window of main tokens; frame [B]: frames generated so far; keys [B, 2] request keys;
+    temperature/top_p [B] float32, top_k [B] int32."""
+
+    cache: ModelCache
+    h: jax.Array
+    row: jax.Array
+    recent: jax.Array
+    frame: jax.Array
+    keys: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+
+
+def frame_step(model: Drama3Model, s: DecodeState, backends: Backends = Backends()):
+    """Advance every row by one frame. Returns (new row [B, 1+K] int32, new DecodeState)."""
+    cfg = model.cfg
+    B = s.h.shape[0]
+    ones = jnp.ones((B,), jnp.int32)
+    main = sample_main(s.keys, s.frame, model.main_logits(s.h), s.temperature, s.top_p, s.top_k, s.recent,
+                       semantic_start=cfg.semantic_start_token_id, eos_token_id=cfg.eos_token_id)
+    choose = lambda i, logits: sample_head(s.keys, s.frame, i, logits[:, 0], s.temperature, s.top_p,
+                                           s.top_k)[:, None]
+    codes, _, tcache = model.tower(s.h[:, None], main[:, None], s.row[:, None], s.cache.tower, ones, choose,
+                                   backends=backends, compute_heads=True)
+    row = jnp.concatenate([main[:, None], model.semantic_code(main)[:, None], codes[:, 0]], axis=-1)
+    h, bcache = model.forward(row[:, None], s.cache.backbone, ones, backends=backends)
+    new = DecodeState(cache=ModelCache(bcache, tcache), h=h[:, 0], row=row, recent=push_recent(s.recent, main),
+                      frame=s.frame + 1, keys=s.keys, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+    return row, new
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RequestSampling:
+    """Per-row sampling arrays: keys [B, 2] uint32 (from the request seeds), temperature/top_p [B], top_k [B]."""
+
+    keys: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+
+    @classmethod
+    def make(cls, params: Sequence[SamplingParams], seeds: Sequence[int]) -> "RequestSampling":
+        return cls(keys=jnp.stack([jax.random.PRNGKey(s) for s in seeds]).astype(jnp.uint32),
+                   temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+                   top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+                   top_k=jnp.asarray([p.top_k for p in params], jnp.int32))
+
+
+def prefill_state(model: Drama3Model, rows, lengths, max_len: int, sampling: RequestSampling,
+                  backends: Backends = Backends()) -> DecodeState:
+    """Teacher-forced prefill of right-padded prompts rows [B, T, 1+K] (lengths [B] >= 2) into fresh caches."""
+    hidden, _, cache = model.teacher_forced(rows, lengths, max_len, backends=backends, compute_heads=False)
+    last = lengths - 1
+    h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    row = jnp.take_along_axis(rows, last[:, None, None], axis=1)[:, 0]
+    return DecodeState(cache=cache, h=h, row=row, recent=initial_recent(rows, lengths, RAS_WINDOW),
+                       frame=jnp.zeros_like(lengths), keys=sampling.keys, temperature=sampling.temperature,
+                       top_p=sampling.top_p, top_k=sampling.top_k)
+
+
+_prefill = nnx.jit(prefill_state, static_argnames=("max_len", "backends"))
+_step = nnx.jit(frame_step, static_argnames=("backends",), donate_argnames=("s",))
+
+
+def _bucket(n: int, base: int = 64) -> int:
+    return max(base, 1 << (n - 1).bit_length())
+
+
+def generate_rows(model: Drama3Model, prompts: Sequence[np.ndarray], params: Sequence[SamplingParams],
+                  seeds: Sequence[int], max_new_frames: int, backends: Backends = Backends()) -> list[np.ndarray]:
+    """Generate for a batch of prompt rows [T_i, 1+K]; returns one codes array [K, n_i] per prompt. Each stops at
+    EOS (the EOS frame is not returned) or after max_new_frames; a semantic-0 frame right before EOS is dropped."""
+    for p in params:
+        p.validate(model.cfg.band_size)
+    B = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.min() < 2:
+        raise ValueError("a prompt needs at least 2 rows")
+    T = _bucket(int(lengths.max()))
+    rows = np.zeros((B, T, model.cfg.row_width), np.int32)
+    for i, p in enumerate(prompts):
+        rows[i, :len(p)] = p
+    max_len = _bucket(int(lengths.max()) + max_new_frames + 1)
+    state = _prefill(model, jnp.asarray(rows), jnp.asarray(lengths), max_len, RequestSampling.make(params, seeds),
+                     backends=backends)
+    frames = [[] for _ in range(B)]
+    done = np.zeros(B, bool)
+    eos = model.cfg.eos_token_id
+    for _ in range(max_new_frames):
+        row, state = _step(model, state, backends=backends)
+        row = np.asarray(row)
+        for i in np.flatnonzero(~done):
+            if row[i, 0] == eos:
+                done[i] = True
+                if frames[i] and frames[i][-1][0] == model.cfg.semantic_start_token_id:
+                    frames[i].pop()  # the model often emits <|semantic:0|> right before EOS: a click
+            else:
+                frames[i].append(row[i])
+        if done.all():
+            break
+    K = model.cfg.num_codebooks
+    return [np.stack(f, axis=1)[1:] if f else np.zeros((K, 0), np.int32) for f in frames]
+
+
+def generate(model: Drama3Model, tok, text: str, references=(), previous_takes=(),
+             sampling: SamplingParams = SamplingParams(), seed: int = 0, max_new_frames: int = 2048,
+             backends: Backends = Backends()) -> np.ndarray:
+    """Codes [K, n] for `text`. Long text is cut into chunks (split_long_text); chunk i is generated with history =
+    first chunk + previous chunk; the codes of all chunks are concatenated."""
+    chunks = split_long_text(text)
+    takes: list[tuple[str, np.ndarray]] = []
+    for i, chunk in enumerate(chunks):
+        history = list(previous_takes) + history_for_chunk(i, takes)
+        rows = build_prompt(tok, model.cfg, chunk, references, history)
+        (codes,) = generate_rows(model, [rows], [sampling], [seed + i], max_new_frames, backends)
+        takes.append((chunk, codes))
+    return np.concatenate([c for _, c in takes], axis=1)
+
+
+def generate_iter(model: Drama3Model, tok, text: str, references=(), previous_takes=(),
+                  sampling: SamplingParams = SamplingParams(), seed: int = 0, max_new_frames: int = 2048,
+                  backends: Backends = Backends()) -> Iterator[np.ndarray]:
+    """Yield frames [K] as they are made (one frame is held back to apply the semantic-0-before-EOS rule)."""
+    sampling.validate(model.cfg.band_size)
+    rows = build_prompt(tok, model.cfg, text, references, previous_takes)
+    n = len(rows)
+    T = _bucket(n)
+    padded = np.zeros((1, T, model.cfg.row_width), np.int32)
+    padded[0, :n] = rows
+    state = _prefill(model, jnp.asarray(padded), jnp.asarray([n], jnp.int32), _bucket(n + max_new_frames + 1),
+                     RequestSampling.make([sampling], [seed]), backends=backends)
+    held = None
+    for _ in range(max_new_frames):
+        row, state = _step(model, state, backends=backends)
+        row = np.asarray(row)[0]
+        if row[0] == model.cfg.eos_token_id:
+            if held is not None and held[0] != model.cfg.semantic_start_token_id:
+                yield held[1:]
+            return
+        if held is not None:
+            yield held[1:]
+        held = row
+    if held is not None:
+        yield held[1:]
+
+
+def main(argv=None) -> int:
+    import drama3_jax
+    from drama3_jax.tokenizer import load_tokenizer
+
+    ap = argparse.ArgumentParser(description="Generate Drama 3 codes [10, n] for a text.")
+    ap.add_argument("--checkpoint", required=True, help="converted checkpoint directory")
+    ap.add_argument("--text", required=True)
+    ap.add_argument("--ref-codes", action="append", default=[], help="reference codes .npy [10, T] (repeatable)")
+    ap.add_argument("--ref-text", action="append", default=[], help="transcript of each --ref-codes")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-new-frames", type=int, default=2048)
+    ap.add_argument("--out", required=True, help="output codes .npy")
+    args = ap.parse_args(argv)
+    if len(args.ref_codes) != len(args.ref_text):
+        ap.error("give one --ref-text per --ref-codes")
+    model = drama3_jax.load(args.checkpoint)
+    tok = load_tokenizer(args.checkpoint, model.cfg)
+    refs = [(np.load(c), t) for c, t in zip(args.ref_codes, args.ref_text)]
+    codes = generate(model, tok, args.text, refs, sampling=SamplingParams(args.temperature, args.top_p, args.top_k),
+                     seed=args.seed, max_new_frames=args.max_new_frames)
+    np.save(args.out, codes)
+    print(f"wrote codes {codes.shape} ({codes.shape[1] / 21.533:.2f} s of audio at 21.53 frames/s) to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""End-to-end generation on the tiny checkpoint, and the parity CLI's teacher-forced logits vs incremental decode."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import drama3_jax
+from drama3_jax.generate import RequestSampling, _prefill, _step, generate, generate_iter, generate_rows
+from drama3_jax.parity import teacher_forced_logits
+from drama3_jax.prompt import build_prompt
+from drama3_jax.sampling import SamplingParams
+from drama3_jax.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model(tiny_fp8_dir):
+    return drama3_jax.load(tiny_fp8_dir, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_fp8_dir, model):
+    return load_tokenizer(tiny_fp8_dir, model.cfg)
+
+
+def ref_codes(cfg, T, seed):
+    r = np.random.default_rng(seed)
+    c = r.integers(0, cfg.tower.vocab_size, (cfg.num_codebooks, T)).astype(np.int32)
+    c[0] = r.integers(0, cfg.band_size, T)
+    return c
+
+
+def test_generate_is_deterministic_for_a_seed_and_stops_at_the_cap(model, tok):
+    refs = [(ref_codes(model.cfg, 12, 0), "We asked twenty people.")]
+    a = generate(model, tok, "Hello there, how are you?", refs, seed=3, max_new_frames=12)
+    b = generate(model, tok, "Hello there, how are you?", refs, seed=3, max_new_frames=12)
+    c = generate(model, tok, "Hello there, how are you?", refs, seed=4, max_new_frames=12)
+    assert a.shape[0] == 10 and 0 < a.shape[1] <= 12
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert a[0].max() < model.cfg.band_size and a[1:].max() < model.cfg.tower.vocab_size
+    frames = list(generate_iter(model, tok, "Hello there, how are you?", refs, seed=3, max_new_frames=12))
+    np.testing.assert_array_equal(np.stack(frames, axis=1), a)
+
+
+def test_stops_on_eos_and_drops_semantic0_before_eos(tiny_fp8_dir, tok):
+    """A model rigged so each step's main token is <|semantic:0|> or EOS (decided by the sign of one hidden unit):
+    generation returns the raw frames up to EOS, minus the <|semantic:0|> frame right before it."""
+    m = drama3_jax.load(tiny_fp8_dir, dtype=jnp.float32)
+    cfg = m.cfg
+    H = cfg.text.hidden_size
+    g = np.full(H, -1.0, np.float32)
+    g[0] = 0.0  # final norm keeps only hidden unit 0
+    m.model.language_model.norm.weight[...] = jnp.asarray(g)
+    w = np.zeros((cfg.text.vocab_size, H), np.float32)
+    w[cfg.eos_token_id, 0], w[cfg.semantic_start_token_id, 0] = 100.0, -100.0
+    m.lm_head.weight[...] = jnp.asarray(w)
+    rows = build_prompt(tok, cfg, "Stop now.")
+    params, seed, cap = SamplingParams(temperature=1e-6), 0, 16
+    out = generate_rows(m, [rows], [params], [seed], max_new_frames=cap)[0]
+    # replay the raw decode loop
+    state = _prefill(m, jnp.asarray(np.pad(rows, ((0, 64 - len(rows)), (0, 0)))[None]),
+                     jnp.asarray([len(rows)], jnp.int32), 64, RequestSampling.make([params], [seed]))
+    raw = []
+    for _ in range(cap):
+        row, state = _step(m, state)
+        raw.append(np.asarray(row)[0])
+        if raw[-1][0] == cfg.eos_token_id:
+            break
+    assert raw[-1][0] == cfg.eos_token_id and len(raw) >= 2, "this seed must reach EOS after a semantic frame"
+    assert all(r[0] == cfg.semantic_start_token_id for r in raw[:-1])
+    expected = np.stack(raw[:-2], axis=1)[1:] if len(raw) > 2 else np.zeros((10, 0), np.int32)
+    np.testing.assert_array_equal(out, expected)
+    assert list(generate_iter(m, tok, "Stop now.", sampling=params, seed=seed, max_new_frames=cap)) == \
+        [expected[:, t] for t in range(expected.shape[1])] or expected.shape[1] == 0
+
+
+def test_batch_of_four_equals_each_alone(model, tok):
+    cfg = model.cfg
+    prompts = [build_prompt(tok, cfg, "One small step."),
+               build_prompt(tok, cfg, "A much longer sentence that takes a few more tokens to say.",
+                            [(ref_codes(cfg, 9, 1), "Reference words.")]),
+               build_prompt(tok, cfg, "<|speaker:1|> Hi! <|speaker:2|> Hello."),
+               build_prompt(tok, cfg, "Numbers: 3.14 and 12:30.")]
+    params = [SamplingParams(), SamplingParams(0.7, 0.8, 0), SamplingParams(1.2, 0.95, 40), SamplingParams(1.0, 0.9, 5)]
+    seeds = [11, 12, 13, 14]
+    batch = generate_rows(model, prompts, params, seeds, max_new_frames=10)
+    for i in range(4):
+        alone = generate_rows(model, [prompts[i]], [params[i]], [seeds[i]], max_new_frames=10)[0]
+        np.testing.assert_array_equal(batch[i], alone)
+
+
+def test_parity_logits_match_incremental_generation(model, tok):
+    """Greedy heads (T -> 0): every generated code c1..c9 is the argmax of the teacher-forced head logits of the
+    parity interface on prompt + generated rows, and the main token is the argmax of its main logits unless RAS
+    replaced a repeat."""
+    cfg = model.cfg
+    prompt = build_prompt(tok, cfg, "Check the parity path.", [(ref_codes(cfg, 6, 2), "Six frames.")])
+    codes = generate_rows(model, [prompt], [SamplingParams(temperature=1e-6, top_p=1.0)], [5], max_new_frames=10)[0]
+    n = codes.shape[1]
+    assert n > 0
+    gen_rows = np.concatenate([(codes[0] + cfg.semantic_start_token_id)[None], codes], 0).T
+    rows = np.concatenate([prompt, gen_rows], 0)
+    main, heads = teacher_forced_logits(model, rows)
+    P = len(prompt)
+    for t in range(n):
+        pos = P - 1 + t  # logits for row P + t come from row P - 1 + t
+        np.testing.assert_array_equal(np.argmax(heads[pos], axis=-1), codes[1:, t])
+        recent = rows[max(0, P + t - 16):P + t, 0]
+        top = np.argmax(main[pos])
+        if cfg.semantic_start_token_id + top not in recent:
+            assert codes[0, t] == top
+    assert np.isnan(heads[:P - 2]).all(axis=(1, 2)).any()  # text rows of the prompt: NaN head logits
+    assert not np.isnan(main).any()
+
+
+def test_parity_cli(tiny_fp8_dir, tmp_path, model, tok):
+    rows = build_prompt(tok, model.cfg, "Command line.", [(ref_codes(model.cfg, 5, 3), "Five.")])
+    np.save(tmp_path / "rows.npy", rows)
+    subprocess.run([sys.executable, "-m", "drama3_jax.parity", "--checkpoint", str(tiny_fp8_dir), "--rows",
+                    str(tmp_path / "rows.npy"), "--out", str(tmp_path / "out.npz")], check=True, capture_output=True)
+    out = np.load(tmp_path / "out.npz")
+    main, heads = teacher_forced_logits(model, rows)
+    T = len(rows)
+    assert out["main_logits"].shape == (T - 1, model.cfg.band_size + 1)
+    assert out["head_logits"].shape == (T - 1, 9, model.cfg.band_size)
+    np.testing.assert_allclose(out["main_logits"], main, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out["head_logits"], heads, rtol=1e-5, atol=1e-5)
