@@ -86,7 +86,7 @@ class CodecConfig:
         """Channels after the decoder's input conv, then after each decoder block."""
         return tuple(self.decoder_dim // 2 ** i for i in range(len(self.decoder_rates) + 1))
 
-    def validate(self) -> "CodecConfig":
+    def validate(self) -> CodecConfig:
         self.encoder_transformer.validate("encoder_transformer")
         self.quantizer_transformer.validate("quantizer_transformer")
         _require(self.encoder_dims[-1] == self.encoder_transformer.dim,
@@ -106,7 +106,7 @@ class CodecConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "CodecConfig":
+    def from_dict(cls, d: dict[str, Any]) -> CodecConfig:
         d = dict(d)
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         _require(not unknown, f"codec config: unknown key(s) {unknown}")

@@ -234,23 +234,24 @@ def random_fish_tensors(spec: CodecTensor, seed: int) -> dict[str, np.ndarray]:
     """Deterministic random values of one weight in Fish's layout (g/v split for weight-normed ones)."""
     r = _rng(seed, spec.fish)
     shape = spec.fish_shape
+    uniform = lambda lo, hi, size: lo + (hi - lo) * r.random(size, dtype=np.float32)  # noqa: E731
     if spec.init == "normal":
-        w = r.normal(0.0, spec.scale, shape)
+        w = spec.scale * r.standard_normal(shape, dtype=np.float32)
     elif spec.init == "bias":
-        w = r.normal(0.0, 0.02, shape)
+        w = 0.02 * r.standard_normal(shape, dtype=np.float32)
     elif spec.init == "alpha":
-        w = r.uniform(0.5, 1.5, shape)
+        w = uniform(0.5, 1.5, shape)
     elif spec.init == "ones":
-        w = 1.0 + r.normal(0.0, spec.scale, shape)
+        w = 1.0 + spec.scale * r.standard_normal(shape, dtype=np.float32)
     elif spec.init == "uniform":
-        w = r.uniform(spec.scale / 2, spec.scale, shape)
+        w = uniform(spec.scale / 2, spec.scale, shape)
     else:
         raise ValueError(f"no random init {spec.init!r} ({spec.fish})")
     if spec.weight_norm is None:
         return {spec.fish: w.astype(np.float32)}
     axes = tuple(range(1, len(shape)))
-    g = np.sqrt(np.sum(w * w, axis=axes, keepdims=True)) * r.uniform(0.8, 1.25, (shape[0],) + (1,) * len(axes))
-    v = w * r.uniform(0.5, 2.0, g.shape)  # any per-row scale: the fold must normalise it away
+    g = np.sqrt(np.sum(w * w, axis=axes, keepdims=True)) * uniform(0.8, 1.25, (shape[0],) + (1,) * len(axes))
+    v = w * uniform(0.5, 2.0, g.shape)  # any per-row scale: the fold must normalise it away
     gk, vk = spec.fish_keys
     return {gk: g.astype(np.float32), vk: v.astype(np.float32)}
 
@@ -368,24 +369,39 @@ def read_codec_config(out_dir: str | Path) -> CodecConfig:
     return CodecConfig.from_dict(meta["config"])
 
 
-def load_codec(out_dir: str | Path, dtype=None):
-    """Restore a converted codec into a `ModifiedDAC`; dtype None keeps fp32, e.g. jnp.bfloat16 for serving."""
+def _codec_from_pure(cfg: CodecConfig, pure: dict, dtype, where: str):
     import jax
     import jax.numpy as jnp
-    import orbax.checkpoint as ocp
     from flax import nnx
 
     from drama3_jax.checkpoint import _to_state_keys
     from drama3_jax.codec.model import ModifiedDAC
 
-    cfg = read_codec_config(out_dir)
     graphdef, state = nnx.split(nnx.eval_shape(lambda: ModifiedDAC(cfg, dtype=jnp.float32)))
-    ckptr = ocp.StandardCheckpointer()
-    pure = {g: _to_state_keys(ckptr.restore((Path(out_dir) / WEIGHTS_DIR / g).absolute())) for g in GROUPS}
-    pure = jax.tree.map(lambda x: jnp.asarray(x, dtype or jnp.float32), pure)
+    pure = jax.tree.map(lambda x: jnp.asarray(x, dtype or jnp.float32), _to_state_keys(pure))
     nnx.replace_by_pure_dict(state, pure)
     unfilled = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_flatten_with_path(state)[0]
                 if isinstance(v, jax.ShapeDtypeStruct)]
     if unfilled:
-        raise CodecCheckpointError(f"{out_dir}: codec checkpoint lacks {len(unfilled)} weight(s), first {unfilled[0]}")
+        raise CodecCheckpointError(f"{where}: codec checkpoint lacks {len(unfilled)} weight(s), first {unfilled[0]}")
     return nnx.merge(graphdef, state)
+
+
+def load_codec(out_dir: str | Path, dtype=None):
+    """Restore a converted codec into a `ModifiedDAC`; dtype None keeps fp32, e.g. jnp.bfloat16 for serving."""
+    import orbax.checkpoint as ocp
+
+    cfg = read_codec_config(out_dir)
+    ckptr = ocp.StandardCheckpointer()
+    pure = {g: ckptr.restore((Path(out_dir) / WEIGHTS_DIR / g).absolute()) for g in GROUPS}
+    return _codec_from_pure(cfg, pure, dtype, str(out_dir))
+
+
+def random_codec(cfg: CodecConfig, seed: int = 0, dtype=None):
+    """A `ModifiedDAC` holding the same random weights `write_random_codec_pth(..., cfg, seed)` writes, built in
+    memory (no torch, no files): for benchmarks and tests that need no Fish reference."""
+    tree: dict = {}
+    for spec in codec_tensors(cfg):
+        arrays = list(random_fish_tensors(spec, seed).values())
+        _set(tree, spec.path, to_our_layout(spec, arrays[0] if len(arrays) == 1 else fold_weight_norm(*arrays)))
+    return _codec_from_pure(cfg, tree, dtype, f"random {cfg.name}")

@@ -21,8 +21,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.codec.config import CodecConfig
-from drama3_jax.codec.layers import (BiasedLinear, CausalConv1d, CausalConvTranspose1d, ConvNeXtBlock, ResidualUnit,
-                                     Snake)
+from drama3_jax.codec.layers import (
+    BiasedLinear,
+    CausalConv1d,
+    CausalConvTranspose1d,
+    ConvNeXtBlock,
+    ResidualUnit,
+    Snake,
+)
 from drama3_jax.codec.transformer import WindowLimitedTransformer
 from drama3_jax.nn import Embedding
 

@@ -30,7 +30,7 @@ class TorchFileError(ValueError):
 class LazyTensor:
     """One tensor of the file: `shape`, `dtype`; `numpy()` reads it (a fresh C-contiguous array)."""
 
-    def __init__(self, archive: "TorchArchive", key: str, dtype, offset: int, shape, stride):
+    def __init__(self, archive: TorchArchive, key: str, dtype, offset: int, shape, stride):
         self._archive, self._key = archive, key
         self.dtype, self.shape = np.dtype(dtype), tuple(int(s) for s in shape)
         self._offset, self._stride = int(offset), tuple(int(s) for s in stride)

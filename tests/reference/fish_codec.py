@@ -19,6 +19,7 @@ import tempfile
 import types
 from pathlib import Path
 
+import numpy as np
 import torch
 
 WHEELS = ("fish-speech==0.1.0", "descript-audio-codec==1.0.0", "descript-audiotools==0.7.2")
@@ -75,9 +76,18 @@ def fish_modules():
     return modded_dac, rvq
 
 
-def build_fish_codec(cfg, pth_path=None):
+def build_fish_codec(cfg, pth_path):
     """fish-speech's `DAC` with the sizes of `cfg` (a drama3_jax CodecConfig), as modded_dac_vq.yaml builds it, in
-    eval mode; loads `pth_path` strictly when given."""
+    eval mode, holding the state dict of `pth_path` (strict). Built on the meta device so that no time goes into
+    random initialisation; loading assigns the file's (memory-mapped) tensors."""
+    with torch.device("meta"):
+        model = _build(cfg)
+    sd = torch.load(pth_path, map_location="cpu", mmap=True, weights_only=True)
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model.eval()
+
+
+def _build(cfg):
     M, R = fish_modules()
     et, qt = cfg.encoder_transformer, cfg.quantizer_transformer
 
@@ -111,14 +121,11 @@ def build_fish_codec(cfg, pth_path=None):
     assert (encoder_transformer.config.n_head, encoder_transformer.config.intermediate_size) == (et.n_head,
                                                                                                  et.intermediate_size)
     encoder_transformer.window_size = et.window
-    model.eval()
-    if pth_path is not None:
-        model.load_state_dict(torch.load(pth_path, map_location="cpu", weights_only=True), strict=True)
     return model
 
 
 @torch.no_grad()
-def fish_decode(model, codes) -> "np.ndarray":  # noqa: F821
+def fish_decode(model, codes) -> np.ndarray:
     """codes [B, K, T] int -> audio [B, T * frame_length] float32 numpy."""
     codes = torch.as_tensor(codes, dtype=torch.long)
     lengths = torch.full((codes.shape[0],), codes.shape[2], dtype=torch.long)
@@ -127,7 +134,7 @@ def fish_decode(model, codes) -> "np.ndarray":  # noqa: F821
 
 
 @torch.no_grad()
-def fish_encode(model, audio) -> "np.ndarray":  # noqa: F821
+def fish_encode(model, audio) -> np.ndarray:
     """audio [B, N] float at the codec rate -> codes [B, K, ceil(N / frame_length)] int numpy."""
     codes, _ = model.encode(torch.as_tensor(audio, dtype=torch.float32)[:, None])
     return codes.numpy()

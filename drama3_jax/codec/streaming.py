@@ -1,0 +1,126 @@
+"""Host-facing codec API: validated, jitted encode / decode and batched streaming decode with per-stream state.
+
+    codec = Codec(load_codec(ckpt_dir, dtype=jnp.bfloat16))
+    codes = codec.encode(samples, sample_rate)            # any rate / channels -> [K, T] int32
+    audio = codec.decode(codes)                           # [K, T] -> [T * frame_length] float32
+    state = codec.init_state(streams)
+    audio, state = codec.step(state, new_codes, n_new)    # [B, K, T] new frames -> [B, T * frame_length] new samples
+    state = codec.reset(state, slots)                     # start fresh streams in the given slots
+
+Streaming is exact: every layer is causal and the state carries each conv's left context, the transformer's window
+of K/V and the transposed convs' previous input, so concatenated chunks equal the one-shot decode for any chunking.
+All state leaves are batch-major ([B, ...]): slots can be gathered / scattered with jax.tree.map.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from drama3_jax.codec.audio_io import to_mono
+from drama3_jax.codec.config import CodecConfig
+from drama3_jax.codec.model import DecodeState, ModifiedDAC
+
+
+def validate_codes(codes, cfg: CodecConfig) -> np.ndarray:
+    """codes [K, T] or [B, K, T] integer, each codebook in range -> int32 [B, K, T]; ValueError otherwise."""
+    codes = np.asarray(codes)
+    if codes.ndim == 2:
+        codes = codes[None]
+    if codes.ndim != 3:
+        raise ValueError(f"codes must be [codebooks, frames] or [batch, codebooks, frames], got shape {codes.shape}")
+    if codes.shape[1] != cfg.n_codebooks:
+        raise ValueError(f"codes have {codes.shape[1]} codebooks, the codec has {cfg.n_codebooks}")
+    if codes.shape[2] == 0:
+        raise ValueError("codes have no frames")
+    if not np.issubdtype(codes.dtype, np.integer):
+        raise ValueError(f"codes must be integers, got dtype {codes.dtype}")
+    for k, size in enumerate(cfg.codebook_sizes):
+        row = codes[:, k]
+        if row.min() < 0 or row.max() >= size:
+            bad = row[(row < 0) | (row >= size)][0]
+            raise ValueError(f"codebook {k} has code {bad} outside [0, {size})")
+    return codes.astype(np.int32)
+
+
+class Codec:
+    """Jitted encode / decode / streaming step over a `ModifiedDAC` (weights held once, in the model's dtype)."""
+
+    BUCKET_FRAMES = 8  # one-shot encode/decode pad to a multiple of this (exact: the codec is causal)
+
+    def __init__(self, model: ModifiedDAC):
+        self.cfg = model.cfg
+        self.graphdef, self.params = nnx.split(model)
+        donate = (1,) if jax.default_backend() != "cpu" else ()
+        self._step = jax.jit(self._step_fn, donate_argnums=donate)
+        self._decode = jax.jit(lambda p, c: self._model(p).decode(c))
+        self._encode = jax.jit(lambda p, a: self._model(p).encode(a))
+        self._init = jax.jit(lambda p, b: self._model(p).init_decode_state(b), static_argnums=1)
+        self._reset = jax.jit(lambda s, m: jax.tree.map(
+            lambda x: jnp.where(m.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x), s))
+
+    def _model(self, params) -> ModifiedDAC:
+        return nnx.merge(self.graphdef, params)
+
+    @property
+    def model(self) -> ModifiedDAC:
+        return self._model(self.params)
+
+    def _step_fn(self, params, state, codes, n_new):
+        return self._model(params).decode_step(state, codes, n_new)
+
+    @property
+    def frame_length(self) -> int:
+        return self.cfg.frame_length
+
+    def _bucket(self, frames: int) -> int:
+        return math.ceil(frames / self.BUCKET_FRAMES) * self.BUCKET_FRAMES
+
+    # ------------------------------------------------------------------------------------------ one-shot
+    def decode(self, codes) -> np.ndarray:
+        """codes [K, T] -> audio [T * frame_length]; [B, K, T] -> [B, T * frame_length]; float32 in [-1, 1]."""
+        batched = np.ndim(codes) == 3
+        codes = validate_codes(codes, self.cfg)
+        T = codes.shape[2]
+        padded = np.pad(codes, ((0, 0), (0, 0), (0, self._bucket(T) - T)))
+        audio = np.asarray(self._decode(self.params, jnp.asarray(padded)))[:, :T * self.frame_length]
+        return audio if batched else audio[0]
+
+    def encode(self, audio, sample_rate: int) -> np.ndarray:
+        """audio [N] or [N, channels] at any rate -> codes [K, ceil(N' / frame_length)] int32, N' samples after mixing
+        down and resampling to the codec rate (right-padded with zeros to whole frames, as Fish does)."""
+        mono = to_mono(audio, sample_rate, self.cfg.sample_rate)
+        frames = math.ceil(mono.shape[0] / self.frame_length)
+        padded = np.zeros((1, self._bucket(frames) * self.frame_length), np.float32)
+        padded[0, :mono.shape[0]] = mono
+        return np.asarray(self._encode(self.params, jnp.asarray(padded)))[0, :, :frames]
+
+    # ----------------------------------------------------------------------------------------- streaming
+    def init_state(self, streams: int) -> DecodeState:
+        return self._init(self.params, streams)
+
+    def step(self, state: DecodeState, codes, n_new=None):
+        """Decode the next frames of every stream. codes [B, K, T] (numpy input is validated; device input is only
+        shape-checked and clipped to each codebook like Fish does). n_new [B] (default T): real frames per stream;
+        the rest of its row is padding. -> (audio [B, T * frame_length] float32 device array whose first
+        n_new[b] * frame_length samples are stream b's new audio, next state). The state argument is donated on GPU."""
+        if isinstance(codes, np.ndarray):
+            codes = validate_codes(codes, self.cfg)
+        B, K, T = codes.shape
+        if B != state.frames.shape[0] or K != self.cfg.n_codebooks:
+            raise ValueError(f"codes {codes.shape} do not match {state.frames.shape[0]} streams x "
+                             f"{self.cfg.n_codebooks} codebooks")
+        if n_new is not None:
+            n_new = np.asarray(n_new, np.int32)
+            if n_new.shape != (B,) or n_new.min() < 0 or n_new.max() > T:
+                raise ValueError(f"n_new must be [{B}] ints in [0, {T}], got {n_new}")
+            n_new = jnp.asarray(n_new)
+        return self._step(self.params, state, jnp.asarray(codes, jnp.int32), n_new)
+
+    def reset(self, state: DecodeState, slots) -> DecodeState:
+        """Zero the state of the streams where `slots` [B] bool is true (they restart at frame 0)."""
+        return self._reset(state, jnp.asarray(slots, bool))

@@ -1,0 +1,65 @@
+"""Streaming decode equals one-shot decode (fp32 rounding) for any chunk schedule, batch size, and mix of stream
+positions; only the new samples come back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.codec.conftest import random_codes
+
+TOL = 2e-5  # max |diff| in audio units: different chunkings only reorder fp32 sums
+
+
+def stream(codec, codes: np.ndarray, schedule) -> np.ndarray:
+    state = codec.init_state(codes.shape[0])
+    pieces, pos = [], 0
+    for n in schedule:
+        audio, state = codec.step(state, codes[:, :, pos:pos + n])
+        assert audio.shape == (codes.shape[0], n * codec.frame_length)
+        pieces.append(np.asarray(audio))
+        pos += n
+    assert pos == codes.shape[2]
+    np.testing.assert_array_equal(np.asarray(state.frames), pos)
+    return np.concatenate(pieces, axis=1)
+
+
+@pytest.mark.parametrize("seed,schedule", [(21, [1, 7, 10, 32]), (22, [32, 10, 1, 7])])
+def test_chunk_schedules_match_one_shot(tiny_codec, tiny_codec_cfg, seed, schedule):
+    codes = random_codes(tiny_codec_cfg, 2, sum(schedule), seed=seed)
+    one_shot = tiny_codec.decode(codes)
+    np.testing.assert_allclose(stream(tiny_codec, codes, schedule), one_shot, rtol=0, atol=TOL)
+
+
+def test_streams_at_different_positions(tiny_codec, tiny_codec_cfg):
+    """4 streams in one batch receive different numbers of new frames per call (n_new), one restarts mid-way in a
+    reused slot; each stream's concatenated real samples equal its own one-shot decode (compared on a prefix of a
+    longer one-shot decode: the codec is causal)."""
+    fl, T = tiny_codec.frame_length, 10
+    schedule = np.array([[10, 3, 0, 7], [1, 10, 5, 0], [4, 4, 10, 10], [10, 10, 10, 10]])  # [call, stream]
+    restart_after = 2  # stream 3 is replaced by a new stream after this call
+    one_shot_codes = random_codes(tiny_codec_cfg, 5, 32, seed=30)
+    codes = list(one_shot_codes[:4])
+    fresh = one_shot_codes[4]
+    state = tiny_codec.init_state(4)
+    got = [[] for _ in range(5)]  # stream 4 = the restarted slot
+    pos = np.zeros(4, int)
+    for call, n_new in enumerate(schedule):
+        batch = np.zeros((4, 10, T), np.int32)
+        for s in range(4):
+            src, p = (fresh, pos[s]) if (s == 3 and call > restart_after) else (codes[s], pos[s])
+            batch[s, :, :n_new[s]] = src[:, p:p + n_new[s]]
+        audio, state = tiny_codec.step(state, batch, n_new)
+        audio = np.asarray(audio)
+        for s in range(4):
+            got[4 if (s == 3 and call > restart_after) else s].append(audio[s, :n_new[s] * fl])
+        pos += n_new
+        if call == restart_after:
+            state = tiny_codec.reset(state, [False, False, False, True])
+            pos[3] = 0
+    assert list(np.asarray(state.frames)) == [25, 27, 25, 10]
+    one_shot = tiny_codec.decode(one_shot_codes)
+    for s in range(5):
+        streamed = np.concatenate(got[s])
+        assert streamed.shape[0] in (25 * fl, 27 * fl, 17 * fl, 10 * fl)
+        np.testing.assert_allclose(streamed, one_shot[s, :streamed.shape[0]], rtol=0, atol=TOL)
