@@ -1,4 +1,4 @@
-"""Sampling rules of Drama 3 (drama3-architecture.md 3.6), plain jnp, batched with per-row parameters.
+"""Sampling rules of Drama 3 (drama3-architecture.md 3.6), batched with per-row parameters.
 
 Filters are defined on values, not on sort order, so a sort-free kernel can reproduce them exactly (ties are kept or
 dropped together). With scaled logits z = logits / max(T, 1e-5) and p = softmax(z):
@@ -13,6 +13,10 @@ entry. Keys are per request: fold_in(fold_in(request_key, frame), draw), draw 0 
 Main token: candidates are the semantic band then EOS ([band + 1] logits). Repetition-aware sampling (RAS): a second
 draw with T = 1.0, top-k 30, top-p 0.95 (crossing kept) replaces the first when the first is semantic and equals a main
 token of the last 16 rows (prompt rows count). Heads: top-k = min(request top-k or 30, 30), standard top-p.
+
+The filter/draw math is kernels/sampling (reference.py is the truth, api.py picks a backend); this module holds the
+request-level rules. `backend` ("reference" default, "pallas_triton", "auto") selects the implementation; all are
+bit-identical for the same keys.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-MIN_TEMPERATURE = 1e-5
+from kernels.sampling import api as _api
+from kernels.sampling.reference import MIN_TEMPERATURE, keep_mask  # noqa: F401  (the rules live in kernels/sampling)
+
 HEAD_TOP_K_CAP = 30
 RAS_WINDOW = 16
 RAS_TEMPERATURE, RAS_TOP_K, RAS_TOP_P = 1.0, 30, 0.95
@@ -47,50 +53,26 @@ class SamplingParams:
         return self
 
 
-def keep_mask(logits, temperature, top_p, top_k, *, keep_crossing: bool):
-    """Boolean mask of tokens that survive temperature / top-k / top-p, per row, and the scaled logits.
-    logits [B, V] fp32; temperature, top_p [B] float; top_k [B] int (0 = none). Sort-based: the reference."""
-    z = logits.astype(jnp.float32) / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]
-
-    def one_row(zr, tp, tk):
-        desc = jnp.sort(zr)[::-1]
-        ps = jax.nn.softmax(desc)
-        cum_excl = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(ps)])  # mass of the first r tokens
-        n_greater = jnp.searchsorted(-desc, -zr, side="left")  # tokens strictly above each z_i
-        n_geq = jnp.searchsorted(-desc, -zr, side="right")
-        keep_p = (cum_excl[n_greater] < tp if keep_crossing else cum_excl[n_geq] <= tp) | (tp >= 1.0)
-        keep_k = (tk <= 0) | (n_greater < tk)
-        return (keep_p & keep_k) | (n_greater == 0)
-
-    return jax.vmap(one_row)(z, top_p.astype(jnp.float32), top_k), z
-
-
-def sample_filtered(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool):
-    """One draw per row. keys [B, 2] uint32 (raw PRNG keys); returns int32 [B]."""
-    keep, z = keep_mask(logits, temperature, top_p, top_k, keep_crossing=keep_crossing)
-    g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-    return jnp.argmax(jnp.where(keep, z + g, -jnp.inf), axis=-1).astype(jnp.int32)
-
-
 def draw_keys(request_keys, frame, draw: int):
     """request_keys [B, 2] uint32, frame [B] int32 -> per-row keys for one draw of one frame."""
     return jax.vmap(lambda k, f: jax.random.fold_in(jax.random.fold_in(k, f), draw))(request_keys, frame)
 
 
+def sample_filtered(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, backend: str = "reference",
+                    **backend_kwargs):
+    """One draw per row. keys [B, 2] uint32 (raw PRNG keys); returns int32 [B]."""
+    return _api.sample_filtered(keys, logits, temperature, top_p, top_k, keep_crossing=keep_crossing,
+                                backend=backend, **backend_kwargs)
+
+
 def sample_main(request_keys, frame, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
-                eos_token_id: int):
+                eos_token_id: int, backend: str = "reference", **backend_kwargs):
     """Main token with RAS. band_logits [B, band + 1] (band then EOS); recent_main [B, W] int32 main-token ids of the
     last W rows (-1 padded). Returns main-token ids int32 [B] (semantic_start + c0, or eos_token_id)."""
-    B, n = band_logits.shape
-    ones = jnp.ones((B,), jnp.float32)
-    first = sample_filtered(draw_keys(request_keys, frame, DRAW_MAIN), band_logits, temperature, top_p, top_k,
-                            keep_crossing=True)
-    second = sample_filtered(draw_keys(request_keys, frame, DRAW_RAS), band_logits, RAS_TEMPERATURE * ones,
-                             RAS_TOP_P * ones, jnp.full((B,), RAS_TOP_K, jnp.int32), keep_crossing=True)
-    to_id = lambda i: jnp.where(i == n - 1, eos_token_id, semantic_start + i).astype(jnp.int32)
-    first_id = to_id(first)
-    repeated = (first < n - 1) & jnp.any(recent_main == first_id[:, None], axis=-1)
-    return jnp.where(repeated, to_id(second), first_id)
+    return _api.sample_main(draw_keys(request_keys, frame, DRAW_MAIN), draw_keys(request_keys, frame, DRAW_RAS),
+                            band_logits, temperature, top_p, top_k, recent_main, semantic_start=semantic_start,
+                            eos_token_id=eos_token_id, ras_temperature=RAS_TEMPERATURE, ras_top_k=RAS_TOP_K,
+                            ras_top_p=RAS_TOP_P, backend=backend, **backend_kwargs)
 
 
 def head_top_k(top_k):
@@ -98,10 +80,11 @@ def head_top_k(top_k):
     return jnp.where(top_k > 0, jnp.minimum(top_k, HEAD_TOP_K_CAP), HEAD_TOP_K_CAP).astype(jnp.int32)
 
 
-def sample_head(request_keys, frame, head: int, logits, temperature, top_p, top_k):
+def sample_head(request_keys, frame, head: int, logits, temperature, top_p, top_k, *, backend: str = "reference",
+                **backend_kwargs):
     """Code of codebook head `head` (predicting c_{head+1}). logits [B, V]; returns int32 [B]."""
     return sample_filtered(draw_keys(request_keys, frame, DRAW_HEAD0 + head), logits, temperature, top_p,
-                           head_top_k(top_k), keep_crossing=False)
+                           head_top_k(top_k), keep_crossing=False, backend=backend, **backend_kwargs)
 
 
 def push_recent(recent_main, main):

@@ -1,0 +1,62 @@
+"""Public sampling entry points; `backend` picks the implementation.
+
+Backends:
+  "reference"      plain jnp (kernels/sampling/reference.py): sort-based filters, full-row Gumbel noise. The truth.
+  "pallas_triton"  sort-free Pallas GPU kernels, Triton lowering (kernels/sampling/pallas_triton.py): one program per
+                   row, threshold search instead of a sort, noise only for the surviving candidates; the main token's
+                   RAS re-draw is fused into the same launch. Results are bit-identical to the reference for the same
+                   keys (see pallas_triton.py for the one round-off caveat at an exact top-p boundary).
+  "auto"           "pallas_triton" when JAX's default backend is a GPU, else "reference".
+
+Randomness: callers pass per-row raw keys (uint32 [B, 2]); the noise of row r is jax.random.gumbel(keys[r], (V,))
+in every backend (the kernel computes the elements it needs itself, bit-identically), so a request's draw never
+depends on the batch it runs in. Extra keyword arguments (`**backend_kwargs`) go to the chosen implementation, e.g.
+`interpret=True` (Pallas interpret mode, for CPU tests) or tuning overrides (`cand=`, `num_warps=` ...; see
+pallas_triton.TUNING). Everything stays on device; nothing here syncs with the host.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from kernels.sampling import pallas_triton, reference
+from kernels.sampling.reference import MIN_TEMPERATURE, gumbel_at, keep_mask  # noqa: F401  (re-exported)
+
+FILTERED_BACKENDS = {
+    "reference": reference.sample_filtered,
+    "pallas_triton": pallas_triton.sample_filtered_triton,
+}
+MAIN_BACKENDS = {
+    "reference": reference.sample_main,
+    "pallas_triton": pallas_triton.sample_main_triton,
+}
+
+
+def sample_filtered(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, backend: str = "reference",
+                    **backend_kwargs):
+    """One filtered Gumbel-max draw per row. keys [B, 2] uint32; logits [B, V]; temperature, top_p [B] float;
+    top_k [B] int (0 = none). keep_crossing: top-p keeps the token that crosses top_p (main token) or drops it
+    (codebook heads). Returns int32 [B] indices into V."""
+    return _pick(FILTERED_BACKENDS, backend)(keys, logits, temperature, top_p, top_k, keep_crossing=keep_crossing,
+                                             **backend_kwargs)
+
+
+def sample_main(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
+                eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float,
+                backend: str = "reference", **backend_kwargs):
+    """Main token with repetition-aware re-sampling. band_logits [B, band + 1] (band then EOS); keys / ras_keys
+    [B, 2] uint32 (first and RAS draw); recent_main [B, W] int32 recent main-token ids (-1 padded). Returns
+    main-token ids int32 [B]: semantic_start + band index, or eos_token_id."""
+    return _pick(MAIN_BACKENDS, backend)(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main,
+                                         semantic_start=semantic_start, eos_token_id=eos_token_id,
+                                         ras_temperature=ras_temperature, ras_top_k=ras_top_k, ras_top_p=ras_top_p,
+                                         **backend_kwargs)
+
+
+def _pick(table, backend):
+    if backend == "auto":
+        backend = "pallas_triton" if jax.default_backend() == "gpu" else "reference"
+    try:
+        return table[backend]
+    except KeyError:
+        raise ValueError(f"unknown sampling backend {backend!r}; available: {sorted(table) + ['auto']}") from None
