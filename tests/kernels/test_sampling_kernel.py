@@ -1,0 +1,277 @@
+"""Sort-free sampling kernels (Pallas, Triton lowering) vs the reference rules, in Pallas interpret mode on CPU.
+
+* exact equality of the sampled indices with kernels/sampling/reference.py for the same keys, over random logits and
+  the edge cases (ties incl. -0.0/+0.0, all-equal, very peaked, -inf entries, temperature ~0, top-p 1 / tiny,
+  top-k 1 / above the group count / above V), both top-p modes, both kernel paths (candidate fast path and the
+  full-row fallback; the kernel reports which one each row took), and one full-size main-token case (V = 4097);
+* the main-token kernel with RAS (repeats, EOS never repeated, the window) vs reference.sample_main;
+* chi-square agreement of kernel draws with the exact filtered distribution (float64);
+* per-request reproducibility: a row's draw does not depend on the other rows of the batch or their order;
+* the in-kernel noise (threefry) is bit-identical to jax.random.gumbel;
+* drama3_jax.sampling's backend switch, and lowering at full Drama 3 shapes for an (abstract) H200.
+Each jitted configuration compiles once (the interpreter's compile dominates the run time).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy.stats import chisquare
+
+from drama3_jax import sampling as S
+from kernels.sampling import api, pallas_triton, reference
+
+f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
+B_ROWS, V_ROWS = 48, 300      # rows kernel test shape: padded to 512 lanes = 4 x 128 groups, candidate cap 64
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_fn(crossing: bool, **kw):
+    return jax.jit(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=crossing, interpret=True,
+                                     return_path=True, **kw))
+
+
+@functools.lru_cache(maxsize=None)
+def _ref_rows_fn(crossing: bool):
+    return jax.jit(functools.partial(reference.sample_filtered, keep_crossing=crossing))
+
+
+@functools.lru_cache(maxsize=None)
+def _main_fn(backend: str, semantic_start: int, eos: int):
+    kw = dict(interpret=True, return_path=True) if backend == "pallas_triton" else {}
+    return jax.jit(functools.partial(api.sample_main, semantic_start=semantic_start, eos_token_id=eos,
+                                     ras_temperature=S.RAS_TEMPERATURE, ras_top_k=S.RAS_TOP_K,
+                                     ras_top_p=S.RAS_TOP_P, backend=backend, **kw))
+
+
+def _keys(seeds):
+    return jnp.stack([jax.random.fold_in(jax.random.PRNGKey(int(s)), 11) for s in seeds]).astype(u32)
+
+
+def _edge_rows(rng, V):
+    """Logit rows covering the edge cases; every row is paired with several parameter sets below."""
+    ties = rng.normal(size=V).astype(np.float32)
+    ties[::3] = ties[0]
+    ties[1::7] = ties[4]
+    zeros = rng.normal(size=V).astype(np.float32)
+    zeros[::5] = 0.0
+    zeros[2::5] = -0.0
+    neg_inf = (rng.normal(size=V) * 2).astype(np.float32)
+    neg_inf[rng.choice(V, V // 3, replace=False)] = -np.inf
+    return [
+        (rng.normal(size=V) * 3).astype(np.float32),
+        (rng.normal(size=V) * 0.3).astype(np.float32),            # flat: top-p keeps many
+        np.full(V, 0.7, np.float32),                                # all equal
+        np.where(np.arange(V) == 5, 40.0, 0.0).astype(np.float32),  # very peaked (ties below the peak)
+        ties, zeros, neg_inf,
+        np.round(rng.normal(size=V) * 2, 1).astype(np.float32),   # many ties everywhere
+    ]
+
+
+# (temperature, top_p, top_k)
+PARAMS = [(1.0, 0.9, 0), (0.7, 0.5, 5), (1e-7, 0.9, 0), (1.3, 1.0, 30), (1.0, 0.05, 0), (1.0, 1.0, 0),
+          (0.9, 0.8, 1), (1.1, 0.95, 200), (1.0, 0.7, 5000), (0.5, 1.0, 64)]
+
+
+def _rows_batch(rng):
+    rows = _edge_rows(rng, V_ROWS)
+    cases = [(r, *p) for r in rows for p in PARAMS]
+    pick = rng.choice(len(cases), B_ROWS, replace=False)
+    logits = np.stack([cases[i][0] for i in pick])
+    T, P, K = (np.array([cases[i][j] for i in pick]) for j in (1, 2, 3))
+    return jnp.asarray(logits), jnp.asarray(T, f32), jnp.asarray(P, f32), jnp.asarray(K, i32)
+
+
+# ------------------------------------------------------------------------------------------------ noise
+def test_gumbel_at_is_bit_identical_to_jax_random():
+    at = jax.jit(reference.gumbel_at)
+    full = jax.jit(lambda k: jax.random.gumbel(k, (4097,), f32))
+    for s in range(4):
+        key = jax.random.fold_in(jax.random.PRNGKey(s), 1000 + s)
+        want = np.asarray(full(key))
+        np.testing.assert_array_equal(np.asarray(at(key[0], key[1], jnp.arange(4097))), want)
+        # any subset of indices, in any order; the array length does not enter
+        idx = np.random.default_rng(s).permutation(4097)[:37]
+        np.testing.assert_array_equal(np.asarray(at(key[0], key[1], jnp.asarray(idx))), want[idx])
+        np.testing.assert_array_equal(np.asarray(jax.random.gumbel(key, (37,), f32)),
+                                      np.asarray(at(key[0], key[1], jnp.arange(37))))
+
+
+# ------------------------------------------------------------------------------------------------ exact equality
+def test_rows_kernel_equals_reference_both_modes_both_paths():
+    rng = np.random.default_rng(1)
+    seen_paths = set()
+    for crossing in (True, False):
+        logits, T, P, K = _rows_batch(rng)
+        keys = _keys(rng.integers(0, 2 ** 31, B_ROWS))
+        got, path = _rows_fn(crossing)(keys, logits, T, P, K)
+        want = _ref_rows_fn(crossing)(keys, logits, T, P, K)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        seen_paths |= set(np.asarray(path).tolist())
+    assert seen_paths == {0, 1}, seen_paths    # both the candidate path and the full-row fallback were checked
+
+
+def test_main_kernel_full_band_equals_reference():
+    """Full size: band 4096 + EOS (padded to 8192 lanes), realistic and degenerate rows, RAS on a few."""
+    rng = np.random.default_rng(3)
+    V, B, start, eos = 4097, 8, 151678, 151645
+    rows = [rng.normal(size=V) * 2.5, rng.normal(size=V) * 0.2, np.full(V, 1.0), rng.normal(size=V) * 4,
+            np.where(np.arange(V) == V - 1, 30.0, rng.normal(size=V)), rng.normal(size=V) * 3,
+            np.round(rng.normal(size=V), 1), rng.normal(size=V) * 6]
+    logits = jnp.asarray(np.stack(rows), f32)
+    T = jnp.asarray([1.0, 1.0, 0.8, 0.6, 1.0, 1e-6, 1.2, 1.0], f32)
+    P = jnp.asarray([0.9, 0.9, 0.9, 0.8, 0.9, 0.9, 1.0, 0.99], f32)
+    K = jnp.asarray([0, 0, 0, 0, 50, 0, 4096, 0], i32)
+    keys, ras_keys = _keys(range(B)), _keys(range(100, 100 + B))
+    # windows: row 5 (T ~ 0) repeats its argmax for sure; others random ids from the band
+    recent = rng.integers(start, start + V - 1, (B, 16)).astype(np.int32)
+    recent[5, 3] = start + int(np.argmax(rows[5]))
+    recent[4, :] = eos
+    args = (keys, ras_keys, logits, T, P, K, jnp.asarray(recent))
+    got, path = _main_fn("pallas_triton", start, eos)(*args)
+    want = _main_fn("reference", start, eos)(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    path = np.asarray(path)
+    assert path[5] & 2          # RAS re-draw ran (and matched)
+    assert (path & 1).any() and not (path & 1).all()   # fallback and fast path both used
+
+
+def test_main_token_ras_through_drama3_sampling():
+    """drama3_jax.sampling.sample_main (request keys folded with the frame) through the kernel backend equals the
+    default (reference) backend; RAS replaces repeats, EOS never counts as repeated."""
+    rng = np.random.default_rng(4)
+    band, start, eos, B = 16, 100, 7, 32
+    logits = rng.normal(size=(B, band + 1)).astype(np.float32) * 2
+    logits[:4, 3] = logits[:4].max(axis=1) + 0.5   # first draw (T ~ 0) = band index 3, not dominant at T = 1
+    logits[4:6, band] = 50.0                        # sure EOS first draw
+    recent = rng.integers(start, start + band, (B, 16)).astype(np.int32)
+    recent[rng.random((B, 16)) < 0.3] = -1
+    recent[:2, -1] = start + 3                      # repeated -> RAS
+    recent[2:4] = -1                                # not repeated -> first draw stands
+    recent[4:6] = eos                               # EOS never counts as repeated
+    T = jnp.asarray(np.where(np.arange(B) < 6, 1e-6, rng.uniform(0.5, 1.5, B)), f32)
+    P = jnp.asarray(rng.choice([0.9, 1.0, 0.5], B), f32)
+    K = jnp.asarray(rng.choice([0, 3, 20], B), i32)
+    req = _keys(rng.integers(0, 2 ** 31, B))
+    frame = jnp.asarray(rng.integers(0, 1000, B), i32)
+    args = (req, frame, jnp.asarray(logits), T, P, K, jnp.asarray(recent))
+    kw = dict(semantic_start=start, eos_token_id=eos)
+    got, path = jax.jit(functools.partial(S.sample_main, backend="pallas_triton", interpret=True, return_path=True,
+                                          **kw))(*args)
+    want = jax.jit(functools.partial(S.sample_main, **kw))(*args)
+    got, path = np.asarray(got), np.asarray(path)
+    np.testing.assert_array_equal(got, np.asarray(want))
+    assert (path[:2] & 2).all() and not (path[2:6] & 2).any()
+    assert (got[2:4] == start + 3).all() and (got[4:6] == eos).all()
+    assert (path[6:] & 2).any()                     # random repeats were re-drawn too
+
+
+def test_sample_head_forwards_to_the_chosen_backend(monkeypatch):
+    """drama3_jax.sampling.sample_head: per-request draw key (frame, head), head top-k cap, standard top-p, and the
+    backend keyword reach the api unchanged."""
+    calls = {}
+
+    def spy(keys, logits, temperature, top_p, top_k, *, keep_crossing, **kw):
+        calls.update(keys=keys, top_k=top_k, keep_crossing=keep_crossing, kw=kw)
+        return jnp.zeros((logits.shape[0],), i32)
+
+    monkeypatch.setitem(api.FILTERED_BACKENDS, "pallas_triton", spy)
+    req, frame = _keys(range(3)), jnp.asarray([0, 5, 9], i32)
+    S.sample_head(req, frame, 4, jnp.zeros((3, 8), f32), jnp.ones(3), jnp.ones(3) * 0.9, jnp.asarray([0, 7, 99]),
+                  backend="pallas_triton", cand=16)
+    np.testing.assert_array_equal(np.asarray(calls["keys"]), np.asarray(S.draw_keys(req, frame, S.DRAW_HEAD0 + 4)))
+    assert np.asarray(calls["top_k"]).tolist() == [30, 7, 30]
+    assert calls["keep_crossing"] is False and calls["kw"] == {"cand": 16}
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def _slow_keep(z, top_p, top_k, crossing):
+    """Float64 per-token loop straight from the written rules (z already scaled)."""
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    keep = np.zeros(len(z), bool)
+    for i in range(len(z)):
+        greater = z > z[i]
+        ok_p = top_p >= 1.0 or (p[greater].sum() < top_p if crossing else p[z >= z[i]].sum() <= top_p)
+        ok_k = top_k <= 0 or greater.sum() < top_k
+        keep[i] = (ok_p and ok_k) or not greater.any()
+    return keep, p
+
+
+def test_kernel_draws_follow_the_exact_filtered_distribution():
+    rng = np.random.default_rng(5)
+    base = np.full(V_ROWS, -30.0, np.float32)
+    hot = rng.choice(V_ROWS, 9, replace=False)
+    base[hot] = np.array([1.2, 0.3, -0.4, 2.0, 0.9, -1.5, 0.0, 0.5, 1.6], np.float32)
+    n_calls = 60
+    for crossing, (T, tp, tk) in ((True, (1.0, 0.75, 0)), (False, (0.8, 0.9, 5)), (False, (1.5, 1.0, 0))):
+        logits = jnp.broadcast_to(jnp.asarray(base), (B_ROWS, V_ROWS))
+        ones = jnp.ones((B_ROWS,), f32)
+        counts = np.zeros(V_ROWS, np.int64)
+        for c in range(n_calls):
+            keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(B_ROWS) + c * B_ROWS).astype(u32)
+            got, _ = _rows_fn(crossing)(keys, logits, ones * T, ones * tp, jnp.full((B_ROWS,), tk, i32))
+            counts += np.bincount(np.asarray(got), minlength=V_ROWS)
+        z = base.astype(np.float64) / T
+        keep, p = _slow_keep(z, tp, tk, crossing)
+        q = np.where(keep, p, 0.0)
+        q /= q.sum()
+        n = n_calls * B_ROWS
+        assert counts[~keep].sum() == 0
+        assert keep.sum() >= 3
+        stat = chisquare(counts[keep], q[keep] * n)
+        assert stat.pvalue > 1e-3, (counts[keep], q[keep] * n)
+
+
+# ------------------------------------------------------------------------------------------------ reproducibility
+def test_per_request_draws_do_not_depend_on_the_batch():
+    rng = np.random.default_rng(6)
+    logits, T, P, K = _rows_batch(rng)
+    keys = _keys(rng.integers(0, 2 ** 31, B_ROWS))
+    full, _ = _rows_fn(False)(keys, logits, T, P, K)
+    perm = rng.permutation(B_ROWS)
+    permuted, _ = _rows_fn(False)(keys[perm], logits[perm], T[perm], P[perm], K[perm])
+    np.testing.assert_array_equal(np.asarray(permuted), np.asarray(full)[perm])
+    # the first half of the batch replaced by other requests: the second half's draws stay the same
+    other, oT, oP, oK = _rows_batch(np.random.default_rng(7))
+    h = B_ROWS // 2
+    mix = lambda a, b: jnp.concatenate([b[:h], a[h:]])
+    mixed, _ = _rows_fn(False)(mix(keys, _keys(range(B_ROWS))), mix(logits, other), mix(T, oT), mix(P, oP),
+                               mix(K, oK))
+    np.testing.assert_array_equal(np.asarray(mixed)[h:], np.asarray(full)[h:])
+
+
+def test_api_dispatch():
+    assert jax.default_backend() == "cpu"
+    assert api._pick(api.FILTERED_BACKENDS, "auto") is reference.sample_filtered
+    assert api._pick(api.MAIN_BACKENDS, "pallas_triton") is pallas_triton.sample_main_triton
+    try:
+        api._pick(api.FILTERED_BACKENDS, "nope")
+    except ValueError as e:
+        assert "unknown sampling backend" in str(e)
+    else:
+        raise AssertionError("no error for an unknown backend")
+
+
+# ------------------------------------------------------------------------------------------------ lowering
+def test_triton_lowering_full_shapes_for_h200():
+    """Both kernels lower to one Triton custom call each at Drama 3 shapes (128 streams: main 4097 + RAS window 16,
+    9 x 128 head rows of 4096) for an abstract H200."""
+    sd = jax.ShapeDtypeStruct
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=dev)
+    B, H = 128, 9
+    with jax.sharding.use_abstract_mesh(mesh):
+        rows = jax.jit(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=False)).trace(
+            sd((B * H, 2), u32), sd((B * H, 4096), f32), sd((B * H,), f32), sd((B * H,), f32), sd((B * H,), i32))
+        main = jax.jit(functools.partial(pallas_triton.sample_main_triton, semantic_start=151678,
+                                         eos_token_id=151645, ras_temperature=1.0, ras_top_k=30,
+                                         ras_top_p=0.95)).trace(
+            sd((B, 2), u32), sd((B, 2), u32), sd((B, 4097), f32), sd((B,), f32), sd((B,), f32), sd((B,), i32),
+            sd((B, 16), i32))
+        for traced in (rows, main):
+            txt = traced.lower(lowering_platforms=("cuda",)).as_text()
+            assert txt.count("__gpu$xla.gpu.triton") == 1
