@@ -42,7 +42,7 @@ def _check_fp8_tile(w: ExpertWeights, bn: int, bk: int, what: str):
 
 
 def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu_ref, *rest, top_k, bm, bn, bk,
-                    n_k, sblock, fp8):
+                    n_k, sblock, fp8, swap_ab, cdt):
     if fp8:
         sg_ref, su_ref, act_ref = rest
     else:
@@ -60,22 +60,28 @@ def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu
         tok = jnp.where(r < nrows, pair // top_k, 0)  # padding rows read token 0; they are never stored downstream
         n0 = pl.multiple_of(n * bn, bn)
 
+        def mm(xt, w):  # swap_ab: W tile as the M side ([bn, bm] = W . x^T), as tokamax's sm90 quant kernel does
+            if swap_ab:
+                return jax.lax.dot_general(w, xt, _NT, preferred_element_type=_F32)
+            return jax.lax.dot_general(xt, w, _NT, preferred_element_type=_F32)
+
         def body(i, carry):
             accg, accu = carry
             k0 = pl.multiple_of(i * bk, bk)
-            xt = x_ref[tok, pl.ds(k0, bk)]
-            wg = wg_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(xt.dtype)
-            wu = wu_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(xt.dtype)
-            dg = jax.lax.dot_general(xt, wg, _NT, preferred_element_type=_F32)
-            du = jax.lax.dot_general(xt, wu, _NT, preferred_element_type=_F32)
+            xt = x_ref[tok, pl.ds(k0, bk)].astype(cdt)
+            wg = wg_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(cdt)
+            wu = wu_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(cdt)
+            dg, du = mm(xt, wg), mm(xt, wu)
             if fp8:
                 dg = dg * sg_ref[e, n0 // sblock[0], k0 // sblock[1]]
                 du = du * su_ref[e, n0 // sblock[0], k0 // sblock[1]]
             return accg + dg, accu + du
 
-        z = jnp.zeros((bm, bn), _F32)
+        z = jnp.zeros((bn, bm) if swap_ab else (bm, bn), _F32)
         accg, accu = jax.lax.fori_loop(0, n_k, body, (z, z))
         act = accg / (1.0 + jnp.exp(-accg)) * accu
+        if swap_ab:
+            act = act.T
         act_ref[pl.ds(b * bm, bm), pl.ds(n0, bn)] = act.astype(act_ref.dtype)
 
 
@@ -88,8 +94,11 @@ def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int
     if w.is_fp8:
         _check_fp8_tile(w, bn, bk, "gate/up")
     nb = sched.num_blocks
+    # FP8 -> f16 is one hardware convert on sm90 (-> bf16 is not); the gate/up input x is the RMS-normed hidden state,
+    # far inside f16 range, so `gu_f16` computes this GEMM in f16 (more mantissa than bf16) when the weights are FP8.
+    cdt = jnp.float16 if (cfg.gu_f16 and w.is_fp8) else jnp.bfloat16
     kernel = functools.partial(_gate_up_kernel, top_k=top_k, bm=bm, bn=bn, bk=bk, n_k=H // bk, sblock=w.block,
-                               fp8=w.is_fp8)
+                               fp8=w.is_fp8, swap_ab=cfg.swap_ab, cdt=cdt)
     args = [sched.block_expert, sched.block_row0, sched.block_rows, sched.order, x, w.gate, w.up]
     if w.is_fp8:
         args += [w.gate_scale, w.up_scale]
@@ -104,7 +113,7 @@ def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int
 
 
 def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_ref, *rest, bm, bn, bk, n_k, sblock,
-                 fp8, aliased, n_pairs):
+                 fp8, aliased, n_pairs, swap_ab):
     rest = list(rest)
     sd_ref = rest.pop(0) if fp8 else None
     if aliased:
@@ -131,17 +140,28 @@ def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_
             k0 = pl.multiple_of(i * bk, bk)
             a = act_ref[pl.ds(a0, bm), pl.ds(k0, bk)]
             wd = wd_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(a.dtype)
-            d = jax.lax.dot_general(a, wd, _NT, preferred_element_type=_F32)
+            if swap_ab:
+                d = jax.lax.dot_general(wd, a, _NT, preferred_element_type=_F32)  # [bn, bm]
+            else:
+                d = jax.lax.dot_general(a, wd, _NT, preferred_element_type=_F32)  # [bm, bn]
             if fp8:
                 d = d * sd_ref[e, n0 // sblock[0], k0 // sblock[1]]
             return acc + d
 
-        acc = jax.lax.fori_loop(0, n_k, body, jnp.zeros((bm, bn), _F32))
+        acc = jax.lax.fori_loop(0, n_k, body, jnp.zeros((bn, bm) if swap_ab else (bm, bn), _F32))
         rw = jnp.where(valid, rw_ref[jnp.where(valid, pair, 0)], 0.0)
-        y = (acc * rw[:, None]).astype(y_ref.dtype)
-        cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)  # int-array indices on both axes: a masked
-        rows = jnp.broadcast_to(pair[:, None], (bm, bn))                  # scatter (also what interpret mode needs)
-        plt.store(y_ref.at[rows, cols], y, mask=jnp.broadcast_to(valid[:, None], (bm, bn)))
+        # int-array indices on both axes: a masked scatter of rows (also the form interpret mode supports)
+        if swap_ab:
+            y = (acc * rw[None, :]).astype(y_ref.dtype)
+            cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (bn, bm), 0)
+            rows = jnp.broadcast_to(pair[None, :], (bn, bm))
+            mask = jnp.broadcast_to(valid[None, :], (bn, bm))
+        else:
+            y = (acc * rw[:, None]).astype(y_ref.dtype)
+            cols = n0 + jax.lax.broadcasted_iota(jnp.int32, (bm, bn), 1)
+            rows = jnp.broadcast_to(pair[:, None], (bm, bn))
+            mask = jnp.broadcast_to(valid[:, None], (bm, bn))
+        plt.store(y_ref.at[rows, cols], y, mask=mask)
 
 
 def down_weighted_grouped(act, sched: BlockSchedule, router_w, w: ExpertWeights, cfg: TritonMoeConfig, *,
@@ -157,7 +177,7 @@ def down_weighted_grouped(act, sched: BlockSchedule, router_w, w: ExpertWeights,
     nb = sched.num_blocks
     aliased = y_init is not None
     kernel = functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, n_k=I // bk, sblock=w.block, fp8=w.is_fp8,
-                               aliased=aliased, n_pairs=M)
+                               aliased=aliased, n_pairs=M, swap_ab=cfg.swap_ab)
     args = [sched.block_expert, sched.block_row0, sched.block_rows, sched.order, router_w.astype(_F32), act, w.down]
     if w.is_fp8:
         args.append(w.down_scale)

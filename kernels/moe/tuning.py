@@ -14,7 +14,9 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class TritonMoeConfig:
     """block_m: rows per block (every expert's rows are padded to it); gu_*: gate+up GEMM tile (N over I, K over H);
-    dn_*: down GEMM tile (N over H, K over I); warps/stages per kernel (Triton num_warps / num_stages)."""
+    dn_*: down GEMM tile (N over H, K over I); warps/stages per kernel (Triton num_warps / num_stages);
+    swap_ab: compute W . x^T (weights on the MMA's M side, the layout tokamax uses for small row counts);
+    gu_f16: with FP8 weights, run the gate/up GEMM in f16 (FP8 -> f16 is a single convert on sm90)."""
 
     block_m: int
     gu_block_n: int
@@ -25,6 +27,8 @@ class TritonMoeConfig:
     gu_stages: int = 4
     dn_warps: int = 4
     dn_stages: int = 4
+    swap_ab: bool = False
+    gu_f16: bool = False
 
 
 # (max_pairs M, config)

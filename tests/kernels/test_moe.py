@@ -69,6 +69,20 @@ def test_pallas_triton_matches_reference(T, E, k, routing, fp8):
     assert rel_err(y[:M], single) < TOL
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_pallas_triton_swap_ab_f16_variant(fp8):
+    """The swapped orientation (W . x^T, weights on the MMA's M side) and the f16 gate/up path for FP8 weights."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, swap_ab=True, gu_f16=True)
+    x, ids, tw, w = _inputs(29, 16, 4, fp8, only_experts=[0, 3, 4, 7, 8, 15])
+    M = 29 * 4
+    y_init = jnp.full((M + cfg.block_m, H), jnp.nan, jnp.bfloat16)
+    out, y = moe_experts_pallas_triton(x, ids, tw, w, config=cfg, interpret=True, y_init=y_init, return_y=True)
+    assert bool(jnp.all(jnp.isfinite(y[:M].astype(jnp.float32))))
+    assert rel_err(out, moe_experts_reference(x, ids, tw, w)) < TOL
+
+
 def test_api_backends_agree():
     x, ids, tw, w = _inputs(19, 16, 4, fp8=True)
     ref = api.moe_experts(x, ids, tw, w, backend="reference")
