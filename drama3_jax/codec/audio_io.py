@@ -1,5 +1,6 @@
 """Audio I/O for the codec (host side, numpy + soundfile): read any format libsndfile knows (wav, flac, ogg, mp3...),
-mix down and resample to the codec rate, write wav / flac / raw pcm16.
+mix down and resample to the codec rate, write wav / flac / raw pcm16. soundfile is imported only where a file format
+is read or written, so the codec runs where it is missing.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ import math
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 
 WRITE_FORMATS = ("wav", "flac", "pcm")
 
 
 def read_audio(path: str | Path | io.IOBase) -> tuple[np.ndarray, int]:
     """-> (samples [N, C] float32 in [-1, 1], sample rate)."""
+    import soundfile as sf
+
     try:
         audio, sr = sf.read(path, dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError) as e:
@@ -67,6 +69,8 @@ def audio_bytes(audio: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     samples = pcm16(audio)
     if fmt == "pcm":
         return samples.astype("<i2").tobytes()
+    import soundfile as sf
+
     buf = io.BytesIO()
     sf.write(buf, samples, sample_rate, format=fmt.upper(), subtype="PCM_16")
     return buf.getvalue()

@@ -14,7 +14,9 @@ All state leaves are batch-major ([B, ...]): slots can be gathered / scattered w
 
 from __future__ import annotations
 
+import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +49,27 @@ def validate_codes(codes, cfg: CodecConfig) -> np.ndarray:
     return codes.astype(np.int32)
 
 
+def _step(graphdef, params, state, codes, n_new):
+    return nnx.merge(graphdef, params).decode_step(state, codes, n_new)
+
+
+def _reset(state, slots):
+    return jax.tree.map(lambda x: jnp.where(slots.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x), state)
+
+
+@functools.cache
+def _compiled():
+    """Jitted entry points shared by every Codec (keyed on the static graphdef, so codecs of one config and dtype
+    share compilations). The streaming state is donated on accelerators."""
+    donate = (2,) if jax.default_backend() != "cpu" else ()
+    return types.SimpleNamespace(
+        step=jax.jit(_step, static_argnums=0, donate_argnums=donate),
+        decode=jax.jit(lambda g, p, c: nnx.merge(g, p).decode(c), static_argnums=0),
+        encode=jax.jit(lambda g, p, a: nnx.merge(g, p).encode(a), static_argnums=0),
+        init=jax.jit(lambda g, p, b: nnx.merge(g, p).init_decode_state(b), static_argnums=(0, 2)),
+        reset=jax.jit(_reset))
+
+
 class Codec:
     """Jitted encode / decode / streaming step over a `ModifiedDAC` (weights held once, in the model's dtype)."""
 
@@ -55,23 +78,10 @@ class Codec:
     def __init__(self, model: ModifiedDAC):
         self.cfg = model.cfg
         self.graphdef, self.params = nnx.split(model)
-        donate = (1,) if jax.default_backend() != "cpu" else ()
-        self._step = jax.jit(self._step_fn, donate_argnums=donate)
-        self._decode = jax.jit(lambda p, c: self._model(p).decode(c))
-        self._encode = jax.jit(lambda p, a: self._model(p).encode(a))
-        self._init = jax.jit(lambda p, b: self._model(p).init_decode_state(b), static_argnums=1)
-        self._reset = jax.jit(lambda s, m: jax.tree.map(
-            lambda x: jnp.where(m.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x), s))
-
-    def _model(self, params) -> ModifiedDAC:
-        return nnx.merge(self.graphdef, params)
 
     @property
     def model(self) -> ModifiedDAC:
-        return self._model(self.params)
-
-    def _step_fn(self, params, state, codes, n_new):
-        return self._model(params).decode_step(state, codes, n_new)
+        return nnx.merge(self.graphdef, self.params)
 
     @property
     def frame_length(self) -> int:
@@ -87,7 +97,7 @@ class Codec:
         codes = validate_codes(codes, self.cfg)
         T = codes.shape[2]
         padded = np.pad(codes, ((0, 0), (0, 0), (0, self._bucket(T) - T)))
-        audio = np.asarray(self._decode(self.params, jnp.asarray(padded)))[:, :T * self.frame_length]
+        audio = np.asarray(_compiled().decode(self.graphdef, self.params, jnp.asarray(padded)))[:, :T * self.frame_length]
         return audio if batched else audio[0]
 
     def encode(self, audio, sample_rate: int) -> np.ndarray:
@@ -97,11 +107,11 @@ class Codec:
         frames = math.ceil(mono.shape[0] / self.frame_length)
         padded = np.zeros((1, self._bucket(frames) * self.frame_length), np.float32)
         padded[0, :mono.shape[0]] = mono
-        return np.asarray(self._encode(self.params, jnp.asarray(padded)))[0, :, :frames]
+        return np.asarray(_compiled().encode(self.graphdef, self.params, jnp.asarray(padded)))[0, :, :frames]
 
     # ----------------------------------------------------------------------------------------- streaming
     def init_state(self, streams: int) -> DecodeState:
-        return self._init(self.params, streams)
+        return _compiled().init(self.graphdef, self.params, streams)
 
     def step(self, state: DecodeState, codes, n_new=None):
         """Decode the next frames of every stream. codes [B, K, T] (numpy input is validated; device input is only
@@ -119,8 +129,8 @@ class Codec:
             if n_new.shape != (B,) or n_new.min() < 0 or n_new.max() > T:
                 raise ValueError(f"n_new must be [{B}] ints in [0, {T}], got {n_new}")
             n_new = jnp.asarray(n_new)
-        return self._step(self.params, state, jnp.asarray(codes, jnp.int32), n_new)
+        return _compiled().step(self.graphdef, self.params, state, jnp.asarray(codes, jnp.int32), n_new)
 
     def reset(self, state: DecodeState, slots) -> DecodeState:
         """Zero the state of the streams where `slots` [B] bool is true (they restart at frame 0)."""
-        return self._reset(state, jnp.asarray(slots, bool))
+        return _compiled().reset(state, jnp.asarray(slots, bool))

@@ -1,0 +1,157 @@
+"""Streaming codec decode throughput: B streams x T-frame chunks per `Codec.step`, bf16 weights and activations.
+
+    python experiments/codec_throughput.py --out DIR [--preset full] [--budget-s 240]
+
+For each (batch, chunk) it builds random full-size weights (the table's distributions, not zeros), warms up (compile
+included) and times `repeats` runs of `steps` dependent steps, each run synchronised once at its end (async
+dispatch hides host overhead the way a serving loop would); ms/step is the median run / steps. Reported beside it:
+seconds of audio per second, the analytic decode FLOPs per audio second, the achieved TFLOP/s against the measured
+~780 TFLOP/s bf16 dense rate of the H200 (KINDS.md), and the weight-read floor. The baseline in the same run is the
+same step in fp32 weights/activations (XLA's default TF32 matmuls). Results go to DIR/codec_throughput.json and are
+printed as a table; configs are run most important first and skipped once the time budget is spent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from drama3_jax.codec.config import CodecConfig, codec_preset  # noqa: E402
+from drama3_jax.codec.convert import random_codec  # noqa: E402
+from drama3_jax.codec.model import DILATIONS  # noqa: E402
+from drama3_jax.codec.streaming import Codec  # noqa: E402
+
+PEAK_BF16_FLOPS = 780e12  # measured 8192^3 bf16 matmul on this workplace's H200 (KINDS.md: 769-798 TFLOP/s)
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy (KINDS.md)
+
+
+def decode_flops_per_frame(cfg: CodecConfig) -> float:
+    """Multiply-adds x 2 of one decoded frame in steady state (window full): codebook projections, post_module,
+    upsample (transposed conv + ConvNeXt), decoder convs; elementwise work (Snake, norms) not counted."""
+    t, d = cfg.quantizer_transformer, cfg.latent_dim
+    hd = t.n_head * t.head_dim
+    f = 2 * cfg.n_codebooks * cfg.codebook_dim * d
+    f += t.n_layer * 2 * (d * 3 * hd + hd * d + 3 * d * t.intermediate_size + 2 * t.window * hd)
+    rate = 1
+    for factor in reversed(cfg.downsample_factors):
+        f += 2 * d * d * factor * rate  # transposed conv k = stride: every input sample x every tap
+        rate *= factor
+        f += rate * 2 * (7 * d + 8 * d * d)  # ConvNeXt: depthwise k7 + pwconv1/2
+    dims = cfg.decoder_dims
+    f += rate * 2 * d * dims[0] * 7
+    for i, s in enumerate(cfg.decoder_rates):
+        f += 2 * dims[i] * dims[i + 1] * 2 * s * rate  # transposed conv k = 2s
+        rate *= s
+        f += rate * len(DILATIONS) * 2 * dims[i + 1] ** 2 * (7 + 1)  # residual units: k7 + k1
+    return f + rate * 2 * dims[-1] * 7
+
+
+def decode_weight_bytes(codec: Codec) -> int:
+    """Bytes of the weights a decode step reads (codebooks, post_module, upsample, decoder)."""
+    m = codec.model
+    parts = [m.quantizer.semantic_quantizer, m.quantizer.quantizer, m.quantizer.post_module, m.quantizer.upsample,
+             m.decoder]
+    from flax import nnx
+
+    return sum(x.nbytes for p in parts for x in jax.tree.leaves(nnx.state(p, nnx.Param)))
+
+
+def time_steps(codec: Codec, batch: int, chunk: int, steps: int, repeats: int, seed: int) -> dict:
+    cfg = codec.cfg
+    r = np.random.default_rng(seed)
+    chunks = [jnp.asarray(np.stack([r.integers(0, n, (batch, chunk)) for n in cfg.codebook_sizes], axis=1),
+                          jnp.int32) for _ in range(steps)]
+    state = codec.init_state(batch)
+    t0 = time.perf_counter()
+    for c in chunks[:2]:  # compile + warm-up
+        audio, state = codec.step(state, c)
+    audio.block_until_ready()
+    compile_s = time.perf_counter() - t0
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for c in chunks:
+            audio, state = codec.step(state, c)
+        audio.block_until_ready()
+        runs.append((time.perf_counter() - t0) / steps)
+    assert bool(jnp.all(jnp.isfinite(audio))) and float(jnp.std(audio.astype(jnp.float32))) > 1e-3
+    step_s = statistics.median(runs)
+    audio_s = batch * chunk * cfg.frame_length / cfg.sample_rate
+    return {"batch": batch, "chunk_frames": chunk, "ms_per_step": step_s * 1e3,
+            "ms_per_step_min": min(runs) * 1e3, "ms_per_step_max": max(runs) * 1e3,
+            "audio_s_per_step": audio_s, "audio_s_per_s": audio_s / step_s, "warmup_compile_s": compile_s,
+            "steps_per_run": steps, "runs": repeats}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="start no new config after this many seconds")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    cfg = codec_preset(args.preset)
+    flops_frame = decode_flops_per_frame(cfg)
+    flops_audio_s = flops_frame * cfg.sample_rate / cfg.frame_length
+    plan = [("bfloat16", 128, 32), ("bfloat16", 128, 10), ("bfloat16", 32, 32), ("bfloat16", 32, 10),
+            ("bfloat16", 1, 10), ("bfloat16", 1, 32), ("float32", 128, 32), ("float32", 1, 10)]
+    codecs, results = {}, []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
+            "jax": jax.__version__, "host": platform.node(), "preset": args.preset,
+            "decode_flops_per_frame": flops_frame, "decode_flops_per_audio_s": flops_audio_s,
+            "peak_bf16_flops": PEAK_BF16_FLOPS, "hbm_bytes_per_s": HBM_BYTES_PER_S,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    for dtype, batch, chunk in plan:
+        if time.perf_counter() - t_start > args.budget_s:
+            print(f"budget spent: skipping {dtype} B={batch} T={chunk}", flush=True)
+            continue
+        if dtype not in codecs:
+            t0 = time.perf_counter()
+            codecs[dtype] = Codec(random_codec(cfg, seed=0, dtype=jnp.dtype(dtype)))
+            meta[f"build_s_{dtype}"] = time.perf_counter() - t0
+            meta[f"weight_bytes_{dtype}"] = decode_weight_bytes(codecs[dtype])
+        res = time_steps(codecs[dtype], batch, chunk, args.steps, args.repeats, seed=batch * 100 + chunk)
+        res["dtype"] = dtype
+        step_s = res["ms_per_step"] / 1e3
+        res["achieved_tflops"] = flops_audio_s * res["audio_s_per_s"] / 1e12
+        res["roofline_ms_per_step"] = flops_audio_s * res["audio_s_per_step"] / PEAK_BF16_FLOPS * 1e3
+        res["weight_read_floor_ms"] = meta[f"weight_bytes_{dtype}"] / HBM_BYTES_PER_S * 1e3
+        res["fraction_of_peak"] = res["roofline_ms_per_step"] / 1e3 / step_s
+        results.append(res)
+        print(json.dumps(res), flush=True)
+        (out / "codec_throughput.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    meta["total_s"] = time.perf_counter() - t_start
+    (out / "codec_throughput.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"\n{meta['device']}  decode {flops_audio_s / 1e9:.1f} GFLOP per audio second "
+          f"({flops_frame / 1e9:.2f} GFLOP/frame)")
+    print(f"{'dtype':9} {'B':>4} {'T':>3} {'ms/step':>9} {'audio s/s':>10} {'TFLOP/s':>8} {'%peak':>6} "
+          f"{'roof ms':>8} {'compile s':>9}")
+    for r in results:
+        print(f"{r['dtype']:9} {r['batch']:>4} {r['chunk_frames']:>3} {r['ms_per_step']:>9.2f} "
+              f"{r['audio_s_per_s']:>10.1f} {r['achieved_tflops']:>8.1f} {100 * r['fraction_of_peak']:>5.1f}% "
+              f"{r['roofline_ms_per_step']:>8.2f} {r['warmup_compile_s']:>9.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
