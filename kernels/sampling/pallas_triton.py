@@ -9,25 +9,27 @@ a power of two; padding lanes are -inf and never kept). Per draw:
        top-k (1 <= k <= G): L_k = the k-th largest of the G group maxima (group g = lanes g, g + G, g + 2G, ...),
                             by pairwise ranks of the G maxima: at least k tokens are >= L_k, so any token below L_k
                             has k tokens strictly above it (not kept).
-       otherwise, top-p < 1: L_p by bisection in value space on [m - D, m], D = log(V / (1 - top_p)) + 1 (tokens more
-                            than D below the max hold less than (1 - top_p) / e of the mass, so none is kept):
-                            the highest L with mass(z >= L) >= top_p + 1e-5.
+       otherwise, top-p < 1: a bracket [lo, hi) by bisection in value space on [m - D, m], D = log(V / (1 - top_p))
+                            + 1 (tokens more than D below the max hold less than (1 - top_p) / e of the mass, so none
+                            is kept): mass(z >= lo) >= top_p + 1e-5 > mass(z >= hi); L = lo.
   3. Fast path, when n_c = #{z >= L} <= C (the candidate cap): the candidates are compacted in index order through a
-     per-row scratch row (prefix sum of the candidate mask, masked scatter, barrier, reload), and the exact rules are
-     applied on the [C, C] pairwise comparison of the candidates: rank = #{z_j > z_i}, mass above (> or >=). Every
-     token above a candidate is a candidate, so these are the whole-row quantities. Gumbel noise is computed for the
-     C candidates only: threefry2x32 on the element's counter (`reference.gumbel_at`), bit-identical to
+     per-row scratch row (prefix count of the candidate mask, masked scatter, barrier, reload), and the exact rules
+     are applied on the [C, C] pairwise comparison of the candidates: rank = #{z_j > z_i}, mass above (> or >=).
+     Every token above a candidate is a candidate, so these are the whole-row quantities. Gumbel noise is computed
+     for the C candidates only: threefry2x32 on the element's counter (`reference.gumbel_at`), bit-identical to
      jax.random.gumbel(key, (V,))[i] - this is what makes the kernel cheap (the full-row noise of the reference costs
      ~110 integer ops per token).
-  4. Fallback (no bound, or more than C candidates: very flat rows, ties, large top-k): exact thresholds by binary
-     search over the order-preserving int32 image of z (32 fixed steps, one masked count / mass reduction each; the
-     top-k threshold is the largest t with #{key >= t} >= k, the top-p one the smallest t where the mass strictly
-     above t (crossing) / at-or-above t (standard) drops below top_p), then noise for the whole row.
+  4. Full-row path (more than C candidates: flat rows with large top-p sets, ties, top-k above G): exact thresholds,
+     then noise for the whole row. Top-p: from the bracket, when its band [lo, hi) holds <= C tokens and
+     mass(z >= hi) < top_p - 1e-5, every token >= hi is kept and the band tokens are decided pairwise on top of that
+     mass (path 1); otherwise a binary search over the order-preserving int32 image of z (32 fixed steps, one masked
+     mass reduction each: the smallest t where the mass strictly above t (crossing) / at-or-above t (standard) drops
+     below top_p). Top-k: the same search for the largest t with #{key >= t} >= k (path 2 when either search ran).
   The winner is argmax over kept tokens of z + G, lowest index on ties (as jnp.argmax).
 
 `sample_main_triton` fuses the main token's two draws (RAS): the first draw with the request's parameters; when it is
 not EOS and its id is among the recent main tokens, the second draw (RAS parameters, its own key) runs on the same
-logits still in registers.
+logits (one loop body of two iterations, so the draw is compiled once).
 
 Exactness: the kept set is decided by the same value rules; only the top-p mass sums are added in another order than
 the reference's sorted cumsum, so a row whose cumulative mass lies within fp32 round-off (~1e-7 relative) of top_p
@@ -61,10 +63,11 @@ P_BISECT_MAX_TOP_P = 0.9999
 
 # Tuning table (data). "rows": generic rows (codebook heads); "main": main token + RAS.
 #   groups G: lanes per tile row (the top-k bound uses the k-th largest of G group maxima; top-k <= G for it);
-#   cand C: candidate cap of the fast path (pairwise [C, C]); p_bisect: bisection steps of the top-p bound.
+#   cand C: candidate cap of the fast path (pairwise [C, C]); p_bisect: bisection steps of the top-p bound;
+#   noise_rows: tile rows per chunk of the full-row noise (bounds the hash's registers).
 TUNING = {
-    "rows": {"num_warps": 4, "groups": 128, "cand": 64, "p_bisect": 12},
-    "main": {"num_warps": 8, "groups": 128, "cand": 128, "p_bisect": 12},
+    "rows": {"num_warps": 4, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4},
+    "main": {"num_warps": 8, "groups": 128, "cand": 128, "p_bisect": 12, "noise_rows": 8},
 }
 
 
@@ -112,18 +115,50 @@ def _isum(mask):
     return jnp.sum(mask.astype(i32))
 
 
-# Pallas-Triton lowering notes (jax 0.11.2), checked by compiling the lowered module to PTX:
+# Pallas-Triton lowering notes (jax 0.11.2), checked by compiling the lowered module to PTX (compile_check.py):
 #  * a select whose two value operands are both weak-typed Python literals is lowered with the predicate's i1 type,
 #    so no jnp.where(pred, 1, 0)-style selects here (one side is always a traced value);
 #  * a branch of a cond must not return a literal (return a value computed from an operand instead);
 #  * loops have static trip counts (a traced bound hits the select issue above).
+def _compact(mask, n, zv, idx, *, row, sz_ref, si_ref, C: int, interpret: bool):
+    """Values and indices of the `n` <= C lanes of `mask`, in index order, as [C] vectors (-inf / 0 past n), through
+    the row's scratch: inclusive prefix count -> masked scatter -> barrier -> reload."""
+    ci = mask.astype(i32)
+    rowcnt = jnp.sum(ci, axis=1)                                              # [R]
+    incl = (jnp.cumsum(rowcnt) - rowcnt)[:, None] + jnp.cumsum(ci, axis=1)    # inclusive prefix count, [R, G]
+    # masked lanes get distinct slots above n: never written on the GPU, and the interpreter's read-modify-write of
+    # masked lanes cannot clobber a selected one
+    pos = jnp.where(mask, incl - 1, n + idx - incl)
+    _barrier(interpret)                       # earlier readers of the scratch row are done
+    plt.store(sz_ref.at[row, pos], zv, mask=mask)
+    plt.store(si_ref.at[row, pos], idx, mask=mask)
+    _barrier(interpret)
+    c = jax.lax.broadcasted_iota(i32, (C,), 0)
+    cm = c < n
+    cz = plt.load(sz_ref.at[row, c], mask=cm, other=NEG_INF)
+    cidx = plt.load(si_ref.at[row, c], mask=cm, other=0)
+    return cz, cidx, cm
+
+
+def _mass_above(cz, cp, base, crossing: bool):
+    """base + mass of the listed tokens strictly above (crossing) / at or above (standard) each listed token; [C]."""
+    zi, zj = cz[:, None], cz[None, :]
+    above = (zj > zi) if crossing else (zj >= zi)
+    return base + jnp.sum(jnp.where(above, cp[None, :], 0.0), axis=1)
+
+
 def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, si_ref, V: int, G: int, C: int,
-          NB: int, interpret: bool):
-    """One filtered Gumbel-max draw from the [R, G] tile z (already temperature-scaled). Returns (index, slow flag)."""
+          NB: int, interpret: bool, load_z, RC: int):
+    """One filtered Gumbel-max draw from the [R, G] tile z (already temperature-scaled). load_z(r0) reloads tile rows
+    [r0, r0 + RC) of z (the full-row noise is drawn in such chunks, to bound the registers the hash needs).
+    Returns (index, path): path 0 = candidate fast path, 1 = full row with the top-p threshold from the bisection
+    band, 2 = full row with a 32-step threshold search."""
     zv = jnp.where(valid, z, NEG_INF)
     m = jnp.max(zv)
     e = jnp.where(valid, jnp.exp(zv - m), 0.0)
     S = jnp.sum(e)
+    compact = functools.partial(_compact, zv=zv, idx=idx, row=row, sz_ref=sz_ref, si_ref=si_ref, C=C,
+                                interpret=interpret)
 
     # --- lower bound L on the kept values
     use_k = (top_k > 0) & (top_k <= G)
@@ -132,6 +167,7 @@ def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, s
     L_k = jnp.min(jnp.where(grank < top_k, gm, jnp.inf))
     L_k = jnp.where(use_k, L_k, NEG_INF)
 
+    # top-p bracket [lo, hi): mass(z >= lo) >= top_p + margin > mass(z >= hi) (no token below lo is kept)
     use_p = jnp.logical_not(use_k) & (top_p <= P_BISECT_MAX_TOP_P)
     target = (top_p + P_MARGIN) * S
 
@@ -143,84 +179,88 @@ def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, s
 
     def bisect():
         D = jnp.log(jnp.float32(V) / jnp.maximum(1.0 - top_p, 1e-6)) + 1.0
-        return jax.lax.fori_loop(0, NB, bisect_step, (m - D, m))[0]
+        return jax.lax.fori_loop(0, NB, bisect_step, (m - D, m))
 
-    L_p = jax.lax.cond(use_p, bisect, lambda: jnp.minimum(m, NEG_INF))
-    L = jnp.maximum(L_k, L_p)
+    lo, hi = jax.lax.cond(use_p, bisect, lambda: (jnp.minimum(m, NEG_INF), m))
+    L = jnp.maximum(L_k, lo)
     cand = valid & (zv >= L)
     n_c = _isum(cand)
 
     def fast():
-        ci = cand.astype(i32)
-        rowcnt = jnp.sum(ci, axis=1)                                          # [R]
-        incl = (jnp.cumsum(rowcnt) - rowcnt)[:, None] + jnp.cumsum(ci, axis=1)  # inclusive prefix count, [R, G]
-        # candidates go to [0, n_c) in index order; the others to distinct slots above (masked, never written on GPU;
-        # distinct so that the interpreter's read-modify-write of masked lanes cannot clobber a candidate)
-        pos = jnp.where(cand, incl - 1, n_c + idx - incl)
-        _barrier(interpret)
-        plt.store(sz_ref.at[row, pos], zv, mask=cand)
-        plt.store(si_ref.at[row, pos], idx, mask=cand)
-        _barrier(interpret)
-        c = jax.lax.broadcasted_iota(i32, (C,), 0)
-        cm = c < n_c
-        cz = plt.load(sz_ref.at[row, c], mask=cm, other=NEG_INF)
-        cidx = plt.load(si_ref.at[row, c], mask=cm, other=0)
+        cz, cidx, cm = compact(cand, n_c)
         cp = jnp.where(cm, jnp.exp(cz - m), 0.0) / S
-        zi, zj = cz[:, None], cz[None, :]
-        gt = zj > zi                                                          # [C, C]: j strictly above i
-        rank = jnp.sum(gt.astype(i32), axis=1)
-        if crossing:
-            keep_p = jnp.sum(jnp.where(gt, cp[None, :], 0.0), axis=1) < top_p
-        else:
-            keep_p = jnp.sum(jnp.where(zj >= zi, cp[None, :], 0.0), axis=1) <= top_p
-        keep_p = keep_p | (top_p >= 1.0)
+        rank = jnp.sum((cz[None, :] > cz[:, None]).astype(i32), axis=1)
+        mass = _mass_above(cz, cp, 0.0, crossing)
+        keep_p = ((mass < top_p) if crossing else (mass <= top_p)) | (top_p >= 1.0)
         keep_k = (top_k <= 0) | (rank < top_k)
         keep = cm & ((keep_p & keep_k) | (cz == m))
-        g = gumbel_at(k0, k1, cidx)
-        w = jnp.where(keep, cz + g, NEG_INF)
+        w = jnp.where(keep, cz + gumbel_at(k0, k1, cidx), NEG_INF)
         wmax = jnp.max(w)
-        return jnp.min(jnp.where(w == wmax, cidx, INT_MAX))
+        return jnp.min(jnp.where(w == wmax, cidx, INT_MAX)), n_c - n_c
 
     def slow():
         key = _ordered_key(zv)
         kmin = jnp.min(jnp.where(valid, key, INT_MAX))
         kmax = jnp.max(jnp.where(valid, key, INT_MIN))
         n_valid = _isum(valid)
-
         def k_step(_, lohi):        # largest t with #{key >= t} >= k; pred(lo) true, pred(hi) false
-            lo, hi = lohi
-            mid = _avg_floor(lo, hi)
+            lo_, hi_ = lohi
+            mid = _avg_floor(lo_, hi_)
             ok = _isum(valid & (key >= mid)) >= top_k
-            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+            return jnp.where(ok, mid, lo_), jnp.where(ok, hi_, mid)
 
         use_tk = (top_k > 0) & (top_k < n_valid)
         t_k = jax.lax.cond(use_tk, lambda: jax.lax.fori_loop(0, 32, k_step, (kmin, kmax + 1))[0],
                            lambda: jnp.minimum(kmin, INT_MIN))
 
-        p = e / S
-
         def p_step(_, lohi):        # smallest t with mass(t) below top_p; pred(lo) false, pred(hi) true
-            lo, hi = lohi
-            mid = _avg_floor(lo, hi)
+            lo_, hi_ = lohi
+            mid = _avg_floor(lo_, hi_)
             if crossing:
-                ok = jnp.sum(jnp.where(valid & (key > mid), p, 0.0)) < top_p
+                ok = jnp.sum(jnp.where(valid & (key > mid), e, 0.0)) < top_p * S
             else:
-                ok = jnp.sum(jnp.where(valid & (key >= mid), p, 0.0)) <= top_p
-            return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+                ok = jnp.sum(jnp.where(valid & (key >= mid), e, 0.0)) <= top_p * S
+            return jnp.where(ok, lo_, mid), jnp.where(ok, mid, hi_)
+
+        def p_search():
+            init = (kmin - 1, kmax) if crossing else (kmin, kmax + 1)
+            return jax.lax.fori_loop(0, 32, p_step, init)[1]
+
+        # exact top-p threshold from the bracket: every token >= hi is kept (mass(z >= hi) < top_p - margin), none
+        # below lo is; the few band tokens in [lo, hi) are decided pairwise on top of the mass at or above hi.
+        band = valid & (zv >= lo) & (zv < hi)
+        n_b = _isum(band)
+        A = jnp.sum(jnp.where(valid & (zv >= hi), e, 0.0)) / S
+        band_ok = use_p & (n_b <= C) & (A < top_p - P_MARGIN)
+
+        def band_threshold():
+            bz, _, bm = compact(band, n_b)
+            bp = jnp.where(bm, jnp.exp(bz - m), 0.0) / S
+            mass = _mass_above(bz, bp, A, crossing)
+            kept = bm & ((mass < top_p) if crossing else (mass <= top_p))
+            return _ordered_key(jnp.minimum(jnp.min(jnp.where(kept, bz, jnp.inf)), hi))
 
         use_tp = top_p < 1.0
-        init = (kmin - 1, kmax) if crossing else (kmin, kmax + 1)
-        t_p = jax.lax.cond(use_tp, lambda: jax.lax.fori_loop(0, 32, p_step, init)[1],
+        t_p = jax.lax.cond(use_tp, lambda: jax.lax.cond(band_ok, band_threshold, p_search),
                            lambda: jnp.minimum(kmin, INT_MIN))
-        keep = valid & (((key >= t_k) & (key >= t_p)) | (zv == m))
-        g = gumbel_at(k0, k1, idx)
-        w = jnp.where(keep, zv + g, NEG_INF)
-        wmax = jnp.max(w)
-        return jnp.min(jnp.where(w == wmax, idx, INT_MAX))
+        t = jnp.maximum(t_k, t_p)
 
-    fast_ok = n_c <= C
-    out = jax.lax.cond(fast_ok, fast, slow)
-    return out, jnp.logical_not(fast_ok).astype(i32)
+        def noise_chunk(ci, best):      # running (max of z + G over kept tokens, its lowest index)
+            zc, vc, ic = load_z(ci * RC)
+            zc = jnp.where(vc, zc, NEG_INF)
+            keep = vc & ((_ordered_key(zc) >= t) | (zc == m))
+            w = jnp.where(keep, zc + gumbel_at(k0, k1, ic), NEG_INF)
+            cmax = jnp.max(w)
+            cidx = jnp.min(jnp.where(w == cmax, ic, INT_MAX))
+            better = cmax > best[0]     # ties keep the earlier chunk's (lower) index
+            return jnp.where(better, cmax, best[0]), jnp.where(better, cidx, best[1])
+
+        R = z.shape[0]
+        _, out = jax.lax.fori_loop(0, R // RC, noise_chunk, (jnp.minimum(m, NEG_INF), kmin - kmin))
+        path = 2 - (use_tp & band_ok & jnp.logical_not(use_tk)).astype(i32)
+        return out, path
+
+    return jax.lax.cond(n_c <= C, fast, slow)
 
 
 def _tile_iota(R: int, G: int):
@@ -231,47 +271,69 @@ def _load_row(x_ref, row, idx, valid):
     return plt.load(x_ref.at[row, idx], mask=valid, other=NEG_INF).astype(f32)
 
 
+def _load_chunk(x_ref, row, t, r0, *, V, G, RC, interpret):
+    """Tile rows [r0, r0 + RC) of the scaled row: (z, valid, idx), each [RC, G] (a re-read, L2-resident)."""
+    idx = r0 * G + _tile_iota(RC, G)
+    valid = idx < V
+    return _div_rn(_load_row(x_ref, row, idx, valid), t, interpret), valid, idx
+
+
 # ------------------------------------------------------------------------------------------------ kernels
-def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C, NB, crossing,
-                 interpret):
+def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C, NB, RC,
+                 crossing, interpret):
     row = pl.program_id(0)
     R = N // G
     idx = _tile_iota(R, G)
     valid = idx < V
     x = _load_row(x_ref, row, idx, valid)
-    z = _div_rn(x, jnp.maximum(t_ref[row], MIN_TEMPERATURE), interpret)
-    out, slow = _draw(z, valid, idx, key_ref[row, 0], key_ref[row, 1], p_ref[row], k_ref[row], crossing=crossing,
-                      row=row, sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, interpret=interpret)
+    t = jnp.maximum(t_ref[row], MIN_TEMPERATURE)
+    z = _div_rn(x, t, interpret)
+    out, path = _draw(z, valid, idx, key_ref[row, 0], key_ref[row, 1], p_ref[row], k_ref[row], crossing=crossing,
+                      row=row, sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, interpret=interpret,
+                      load_z=functools.partial(_load_chunk, x_ref, row, t, V=V, G=G, RC=RC, interpret=interpret),
+                      RC=RC)
     out_ref[row] = out
-    path_ref[row] = slow
+    path_ref[row] = path
 
 
 def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_ref, path_ref, sz_ref, si_ref, *, V,
-                 N, G, C, NB, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p, interpret):
+                 N, G, C, NB, RC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p, interpret):
+    """Draw 0 with the request's parameters; draw 1 (RAS parameters, its own key) only when draw 0 gave a semantic
+    token that is in the recent window. One loop body, so the draw is compiled once."""
     row = pl.program_id(0)
     R = N // G
     idx = _tile_iota(R, G)
     valid = idx < V
-    x = _load_row(x_ref, row, idx, valid)
-    draw = functools.partial(_draw, crossing=True, row=row, sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB,
-                             interpret=interpret)
-    z = _div_rn(x, jnp.maximum(t_ref[row], MIN_TEMPERATURE), interpret)
-    first, slow1 = draw(z, valid, idx, key_ref[row, 0], key_ref[row, 1], p_ref[row], k_ref[row])
-    to_id = lambda i: jnp.where(i == V - 1, eos_token_id, semantic_start + i)
-    first_id = to_id(first)
     recent = recent_ref[row, pl.ds(0, W)]
-    repeated = (first < V - 1) & (_isum(recent == first_id) > 0)
+    t_req = jnp.maximum(t_ref[row], MIN_TEMPERATURE)
+    p_req, k_req = p_ref[row], k_ref[row]
+    ras_t = jnp.float32(max(ras_temperature, MIN_TEMPERATURE))
 
-    def ras():
-        z2 = _div_rn(x, jnp.float32(max(ras_temperature, MIN_TEMPERATURE)), interpret)
-        second, slow2 = draw(z2, valid, idx, key2_ref[row, 0], key2_ref[row, 1], jnp.float32(ras_top_p),
-                             jnp.int32(ras_top_k))
-        return to_id(second), 2 + 4 * slow2
+    def step(d, carry):
+        i_prev, id_prev, flags = carry
+        first = d == 0
+        repeated = (i_prev < V - 1) & (_isum(recent == id_prev) > 0)
 
-    # (a branch of a Triton-lowered cond must not return a literal: `first_id - first_id` is the zero flag)
-    out, flags = jax.lax.cond(repeated, ras, lambda: (first_id, first_id - first_id))
+        def run():
+            t = jnp.where(first, t_req, ras_t)
+            tp = jnp.where(first, p_req, jnp.float32(ras_top_p))
+            tk = jnp.where(first, k_req, jnp.int32(ras_top_k))
+            k0 = jnp.where(first, key_ref[row, 0], key2_ref[row, 0])
+            k1 = jnp.where(first, key_ref[row, 1], key2_ref[row, 1])
+            x = _load_row(x_ref, row, idx, valid)      # (re)loaded per draw: not held across the loop
+            i, path = _draw(_div_rn(x, t, interpret), valid, idx, k0, k1, tp, tk, crossing=True, row=row,
+                            sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, interpret=interpret,
+                            load_z=functools.partial(_load_chunk, x_ref, row, t, V=V, G=G, RC=RC,
+                                                     interpret=interpret), RC=RC)
+            new_id = jnp.where(i == V - 1, eos_token_id, semantic_start + i)
+            return i, new_id, flags + path * (1 + 7 * d) + 4 * d   # bits 0-1 draw 0 path, 2 RAS ran, 3-4 RAS path
+
+        return jax.lax.cond(first | repeated, run, lambda: (i_prev, id_prev, flags))
+
+    zero = key_ref[row, 0].astype(i32) * 0
+    _, out, flags = jax.lax.fori_loop(0, 2, step, (zero + (V - 1), zero + eos_token_id, zero))
     out_ref[row] = out
-    path_ref[row] = slow1 + flags
+    path_ref[row] = flags
 
 
 # ------------------------------------------------------------------------------------------------ wrappers
@@ -281,20 +343,28 @@ def _geometry(V: int, groups: int):
     return N, G
 
 
+def _rc(N: int, G: int, cfg: dict) -> int:
+    return max(1, min(_next_pow2(cfg["noise_rows"]), N // G))
+
+
 def _scratch(rows: int, N: int):
     return (jax.ShapeDtypeStruct((rows, N), f32), jax.ShapeDtypeStruct((rows, N), i32))
 
 
 def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, interpret: bool = False,
-                           return_path: bool = False, num_warps=None, groups=None, cand=None, p_bisect=None):
+                           return_path: bool = False, num_warps=None, groups=None, cand=None, p_bisect=None,
+                           noise_rows=None):
     """One filtered Gumbel-max draw per row (see reference.sample_filtered). keys [B, 2] uint32 raw keys; logits [B, V]
     (any float dtype; read once); temperature, top_p [B] float; top_k [B] int. Returns int32 [B] (and, with
-    return_path, int32 [B] 1 where the row took the full-row fallback)."""
-    cfg = _params("rows", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect))
+    return_path, the path per row, int32 [B]: 0 candidates, 1 full row with the band threshold, 2 full row with a
+    32-step threshold search)."""
+    cfg = _params("rows", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
+                               noise_rows=noise_rows))
     B, V = logits.shape
     N, G = _geometry(V, cfg["groups"])
     C = min(_next_pow2(cfg["cand"]), N)
-    kern = functools.partial(_rows_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], crossing=keep_crossing,
+    kern = functools.partial(_rows_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], RC=_rc(N, G, cfg),
+                             crossing=keep_crossing,
                              interpret=interpret)
     out, path, _, _ = pl.pallas_call(
         kern, grid=(B,),
@@ -308,11 +378,12 @@ def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_cros
 def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
                        eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float,
                        interpret: bool = False, return_path: bool = False, num_warps=None, groups=None, cand=None,
-                       p_bisect=None):
-    """Main token with RAS in one launch (see reference.sample_main). recent_main [B, W] int32, W a power of two
-    (other widths are padded with -1). With return_path: flags [B] int32, bit 0 first draw took the fallback,
-    bit 1 the RAS draw ran, bit 2 the RAS draw took the fallback."""
-    cfg = _params("main", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect))
+                       p_bisect=None, noise_rows=None):
+    """Main token with RAS in one launch (see reference.sample_main). recent_main [B, W] int32 (padded with -1 to a
+    power of two). With return_path: flags [B] int32: bits 0-1 the first draw's path (0 candidates, 1 full row with
+    the band threshold, 2 full row with a 32-step search), bit 2 the RAS draw ran, bits 3-4 its path."""
+    cfg = _params("main", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
+                               noise_rows=noise_rows))
     B, V = band_logits.shape
     N, G = _geometry(V, cfg["groups"])
     C = min(_next_pow2(cfg["cand"]), N)
@@ -320,7 +391,7 @@ def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, r
     Wp = _next_pow2(W)
     if Wp != W:
         recent_main = jnp.pad(recent_main, ((0, 0), (0, Wp - W)), constant_values=-1)
-    kern = functools.partial(_main_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], W=Wp,
+    kern = functools.partial(_main_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], RC=_rc(N, G, cfg), W=Wp,
                              semantic_start=int(semantic_start), eos_token_id=int(eos_token_id),
                              ras_temperature=float(ras_temperature), ras_top_k=int(ras_top_k),
                              ras_top_p=float(ras_top_p), interpret=interpret)

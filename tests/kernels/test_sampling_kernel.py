@@ -111,7 +111,7 @@ def test_rows_kernel_equals_reference_both_modes_both_paths():
         want = _ref_rows_fn(crossing)(keys, logits, T, P, K)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         seen_paths |= set(np.asarray(path).tolist())
-    assert seen_paths == {0, 1}, seen_paths    # both the candidate path and the full-row fallback were checked
+    assert seen_paths == {0, 1, 2}, seen_paths     # candidates, full row with band threshold, full row with search
 
 
 def test_main_kernel_full_band_equals_reference():
@@ -135,8 +135,8 @@ def test_main_kernel_full_band_equals_reference():
     want = _main_fn("reference", start, eos)(*args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     path = np.asarray(path)
-    assert path[5] & 2          # RAS re-draw ran (and matched)
-    assert (path & 1).any() and not (path & 1).all()   # fallback and fast path both used
+    assert path[5] & 4                                  # RAS re-draw ran (and matched)
+    assert {0, 1, 2} <= set((path & 3).tolist()), path  # all three paths of the first draw were used
 
 
 def test_main_token_ras_through_drama3_sampling():
@@ -164,9 +164,9 @@ def test_main_token_ras_through_drama3_sampling():
     want = jax.jit(functools.partial(S.sample_main, **kw))(*args)
     got, path = np.asarray(got), np.asarray(path)
     np.testing.assert_array_equal(got, np.asarray(want))
-    assert (path[:2] & 2).all() and not (path[2:6] & 2).any()
+    assert (path[:2] & 4).all() and not (path[2:6] & 4).any()
     assert (got[2:4] == start + 3).all() and (got[4:6] == eos).all()
-    assert (path[6:] & 2).any()                     # random repeats were re-drawn too
+    assert (path[6:] & 4).any()                     # random repeats were re-drawn too
 
 
 def test_sample_head_forwards_to_the_chosen_backend(monkeypatch):

@@ -1,0 +1,338 @@
+"""All 10 samplings of a Drama 3 decode step on one GPU: sort-free Pallas kernels vs the sort-based reference (jit).
+
+One decode step samples, per stream: the main token over 4,097 candidates (band 4096 + EOS; T, top-p 0.9 keeping the
+crossing token, RAS over a 16-row window) and 9 codebook heads over 4,096 (top-k 30, standard top-p 0.9). Logits are
+fp32 (as the model hands them over). Per-request keys are folded with the frame index (drama3_jax.sampling.draw_keys,
+one fused XLA op for all 11 draws) in every variant.
+
+Variants (streams B = 1, 32, 128, 256):
+  reference   kernels/sampling/reference.py under jax.jit (sort + searchsorted filters, full-row Gumbel noise)
+  batched     main kernel (B programs) + one head kernel launch over the 9B head rows (2 launches)
+  per_head    main kernel + 9 head-kernel launches of B rows each, as frame_step issues them (10 launches)
+  keys_only   the key derivation alone (included in all of the above)
+plus, at B = 128, tuning variants of the batched kernels (num_warps, candidate cap).
+
+Timing: a jitted fori_loop runs N steps; each step samples NSETS independent input sets (separate buffers, so the
+logits read per loop iteration exceed the 50 MB L2 at B >= 128) with the frame index advancing; host clock around
+block_until_ready after a compile + warm-up call; time per step = median over repeats / (N * NSETS). Roofline: the
+fp32 logits read once, B * (4097 + 9 * 4096) * 4 bytes at 4.2 TB/s. Correctness on the device: every kernel
+variant's samples are compared with the reference's on the same inputs and keys (mismatch counts recorded), and the
+kernel paths taken are counted.
+
+Compilation is done in a thread pool before timing (Triton compiles are slow and single-threaded).
+
+  python experiments/sampling_bench.py --out DIR [--budget S] [--streams 1,32,128,256]
+  python experiments/sampling_bench.py --cpu-smoke --out DIR   (interpret mode, tiny, for CI-less sanity checks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HBM_BPS = 4.2e12
+BAND, V_HEAD, HEADS, WINDOW = 4096, 4096, 9, 16
+SEM_START, EOS = 151678, 151645
+NSETS = 4
+R = {"meta": {}, "results": [], "tuning": [], "checks": [], "errors": []}
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+def save(out):
+    with open(os.path.join(out, "sampling_bench.json"), "w") as f:
+        json.dump(R, f, indent=1, default=str)
+
+
+def logit_bytes(B):
+    return B * ((BAND + 1) + HEADS * V_HEAD) * 4
+
+
+def make_inputs(jax, jnp, np, B, seed):
+    """One input set: main logits [B, 4097] (flat-ish, sigma 2.5: top-p 0.9 keeps ~500 tokens), head logits
+    [B, 9, 4096] (sigma 2), per-request params/keys, RAS window."""
+    rng = np.random.default_rng(seed)
+    main = (rng.normal(size=(B, BAND + 1)) * 2.5).astype(np.float32)
+    heads = (rng.normal(size=(B, HEADS, V_HEAD)) * 2.0).astype(np.float32)
+    recent = rng.integers(SEM_START, SEM_START + BAND, (B, WINDOW)).astype(np.int32)
+    return dict(main=jnp.asarray(main), heads=jnp.asarray(heads), recent=jnp.asarray(recent),
+                temperature=jnp.asarray(rng.uniform(0.7, 1.0, B), jnp.float32),
+                top_p=jnp.full((B,), 0.9, jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
+                req=jnp.stack([jax.random.PRNGKey(int(s)) for s in rng.integers(0, 2 ** 31, B)]).astype(jnp.uint32))
+
+
+def build(jax, jnp, variant, **kw):
+    """step(inp, frame) -> (main ids [B], head codes [B, 9]) for one variant."""
+    from drama3_jax import sampling as S
+    from kernels.sampling import api
+
+    def keys_all(req, frame):
+        # all 11 draw keys of the step in one op: [B, 11, 2]
+        return jax.vmap(lambda k: jax.vmap(lambda d: jax.random.fold_in(jax.random.fold_in(k, frame), d))(
+            jnp.arange(2 + HEADS)))(req)
+
+    backend = "reference" if variant == "reference" else "pallas_triton"
+
+    def step(inp, frame):
+        B = inp["main"].shape[0]
+        ks = keys_all(inp["req"], frame)
+        if variant == "keys_only":
+            return ks[:, 0, 0].astype(jnp.int32), ks[:, 2:, 1].astype(jnp.int32)
+        T, P, K = inp["temperature"], inp["top_p"], inp["top_k"]
+        main = api.sample_main(ks[:, 0], ks[:, 1], inp["main"], T, P, K, inp["recent"], semantic_start=SEM_START,
+                               eos_token_id=EOS, ras_temperature=S.RAS_TEMPERATURE, ras_top_k=S.RAS_TOP_K,
+                               ras_top_p=S.RAS_TOP_P, backend=backend, **kw.get("main", {}))
+        hk = S.head_top_k(K)
+        if variant == "batched":
+            rep = lambda a: jnp.repeat(a, HEADS, axis=0)
+            codes = api.sample_filtered(ks[:, 2:].reshape(B * HEADS, 2), inp["heads"].reshape(B * HEADS, V_HEAD),
+                                        rep(T), rep(P), rep(hk), keep_crossing=False, backend=backend,
+                                        **kw.get("rows", {})).reshape(B, HEADS)
+        else:
+            codes = jnp.stack([api.sample_filtered(ks[:, 2 + h], inp["heads"][:, h], T, P, hk, keep_crossing=False,
+                                                   backend=backend, **kw.get("rows", {}))
+                               for h in range(HEADS)], axis=1)
+        return main, codes
+
+    return step
+
+
+def loop_fn(jax, jnp, step, n):
+    def body(i, carry):
+        acc, sets = carry
+        for s, inp in enumerate(sets):
+            main, codes = step(inp, i * NSETS + s)
+            acc = acc + jnp.sum(main) + jnp.sum(codes)
+        return acc, sets
+
+    return jax.jit(lambda sets: jax.lax.fori_loop(0, n, body, (jnp.int32(0), sets))[0])
+
+
+def time_compiled(jax, compiled, sets, n, reps):
+    jax.block_until_ready(compiled(sets))        # warm-up
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(sets))
+        ts.append((time.perf_counter() - t) / (n * NSETS))
+    return statistics.median(ts), min(ts)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--budget", type=float, default=150.0, help="stop starting new work after this many seconds")
+    ap.add_argument("--streams", default="1,32,128,256")
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--threads", type=int, default=12)
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.cpu_smoke:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernels.sampling import pallas_triton
+
+    d = jax.devices()[0]
+    R["meta"] = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     device=d.device_kind, platform=d.platform, jax=jax.__version__, hbm_roofline_Bps=HBM_BPS,
+                     tuning=pallas_triton.TUNING, nsets=NSETS,
+                     inputs="main N(0, 2.5^2) x 4097, heads N(0, 2^2) x 4096 fp32; T ~ U(0.7, 1); top-p 0.9; "
+                            "main top-k 0; heads top-k 30; random RAS windows")
+    streams = [int(s) for s in args.streams.split(",")]
+    smoke_kw = {"main": {"interpret": True}, "rows": {"interpret": True}} if args.cpu_smoke else {}
+    if args.cpu_smoke:
+        streams = [2]
+
+    # ---- jobs: (name, B, variant, kw, n)
+    jobs = []
+    for B in streams:
+        n_ref = max(2, min(20, 2000 // max(B, 1)))
+        n_k = 2 if args.cpu_smoke else 50
+        jobs += [("reference", B, "reference", {}, 1 if args.cpu_smoke else n_ref),
+                 ("batched", B, "batched", smoke_kw, n_k),
+                 ("per_head", B, "per_head", smoke_kw, n_k),
+                 ("keys_only", B, "keys_only", {}, n_k)]
+    if 128 in streams and not args.cpu_smoke:
+        for name, kw in [("batched rows_w8", {"rows": {"num_warps": 8}}),
+                         ("batched rows_w16 main_w16", {"rows": {"num_warps": 16}, "main": {"num_warps": 16}}),
+                         ("batched rows_c32", {"rows": {"cand": 32}}),
+                         ("batched main_w4", {"main": {"num_warps": 4}})]:
+            jobs.append((name, 128, "batched", kw, 50))
+
+    sets_by_B = {B: tuple(make_inputs(jax, jnp, np, B, seed=1000 * B + s) for s in range(NSETS)) for B in streams}
+
+    # ---- correctness on the device: one step, kernel vs reference, same inputs and keys
+    def check(B, variant, kw):
+        ref = jax.jit(build(jax, jnp, "reference"))
+        ker = jax.jit(build(jax, jnp, variant, **kw))
+        bad_main = bad_heads = 0
+        rows = 0
+        for s, inp in enumerate(sets_by_B[B]):
+            for frame in (3, 977):
+                rm, rh = ref(inp, frame)
+                km, kh = ker(inp, frame)
+                bad_main += int(np.sum(np.asarray(rm) != np.asarray(km)))
+                bad_heads += int(np.sum(np.asarray(rh) != np.asarray(kh)))
+                rows += B
+        return dict(B=B, variant=variant, kw=kw, rows_main=rows, rows_heads=rows * HEADS, mismatch_main=bad_main,
+                    mismatch_heads=bad_heads)
+
+    # ---- compile everything in parallel
+    log(f"device {d.device_kind}; {len(jobs)} timing jobs; compiling with {args.threads} threads")
+    compiled = {}
+
+    def compile_job(j):
+        name, B, variant, kw, n = j
+        f = loop_fn(jax, jnp, build(jax, jnp, variant, **kw), n)
+        t = time.time()
+        c = f.lower(sets_by_B[B]).compile()
+        return j, c, time.time() - t
+
+    with cf.ThreadPoolExecutor(args.threads) as ex:
+        futs = [ex.submit(compile_job, j) for j in jobs]
+        for fu in cf.as_completed(futs):
+            try:
+                j, c, secs = fu.result()
+                compiled[(j[0], j[1])] = (j, c)
+                log(f"compiled {j[0]} B={j[1]} in {secs:.1f}s")
+            except Exception as e:
+                R["errors"].append(f"compile: {type(e).__name__}: {str(e)[:1500]}")
+                log("ERROR compile", type(e).__name__, str(e)[:500])
+    save(args.out)
+
+    # ---- correctness and path statistics (B = 128 when present, else the first)
+    for B in ([128] if 128 in streams else streams[:1]):
+        for variant in ("batched", "per_head"):
+            if time.time() - T0 > args.budget:
+                break
+            try:
+                R["checks"].append(check(B, variant, smoke_kw))
+                log("check", R["checks"][-1])
+            except Exception as e:
+                R["errors"].append(f"check {variant}: {type(e).__name__}: {str(e)[:1500]}")
+                log("ERROR check", type(e).__name__, str(e)[:500])
+        try:   # which kernel paths the inputs take
+            inp = sets_by_B[B][0]
+            ks = jnp.stack([jax.random.PRNGKey(i) for i in range(B)]).astype(jnp.uint32)
+            _, pm = pallas_triton.sample_main_triton(ks, ks, inp["main"], inp["temperature"], inp["top_p"],
+                                                     inp["top_k"], inp["recent"], semantic_start=SEM_START,
+                                                     eos_token_id=EOS, ras_temperature=1.0, ras_top_k=30,
+                                                     ras_top_p=0.95, return_path=True, **smoke_kw.get("main", {}))
+            hk = jnp.full((B * HEADS,), 30, jnp.int32)
+            _, ph = pallas_triton.sample_filtered_triton(
+                jnp.repeat(ks, HEADS, 0), inp["heads"].reshape(B * HEADS, V_HEAD), jnp.ones((B * HEADS,)),
+                jnp.full((B * HEADS,), 0.9), hk, keep_crossing=False, return_path=True, **smoke_kw.get("rows", {}))
+            pm, ph = np.asarray(pm), np.asarray(ph)
+            R["paths"] = dict(B=B, main_first={int(k): int(v) for k, v in zip(*np.unique(pm & 3, return_counts=True))},
+                              main_ras_ran=int(((pm >> 2) & 1).sum()),
+                              heads={int(k): int(v) for k, v in zip(*np.unique(ph, return_counts=True))})
+            log("paths", R["paths"])
+        except Exception as e:
+            R["errors"].append(f"paths: {type(e).__name__}: {str(e)[:1500]}")
+    save(args.out)
+
+    # ---- timing
+    order = [j for j in jobs if (j[0], j[1]) in compiled]
+    order.sort(key=lambda j: (0 if j[0] in ("reference", "batched", "per_head", "keys_only") else 1, j[1]))
+    for j in order:
+        if time.time() - T0 > args.budget:
+            R["errors"].append(f"budget reached before timing {j[0]} B={j[1]}")
+            break
+        name, B, variant, kw, n = j
+        try:
+            med, mn = time_compiled(jax, compiled[(name, B)][1], sets_by_B[B], n, 2 if args.cpu_smoke else 5)
+            rec = dict(name=name, B=B, us=med * 1e6, us_min=mn * 1e6, iters=n * NSETS,
+                       roofline_us=logit_bytes(B) / HBM_BPS * 1e6)
+            (R["tuning"] if name not in ("reference", "batched", "per_head", "keys_only") else R["results"]).append(rec)
+            log(f"{name:28s} B={B:4d} {med * 1e6:9.1f} us (min {mn * 1e6:.1f})")
+        except Exception as e:
+            R["errors"].append(f"time {name} B={B}: {type(e).__name__}: {str(e)[:1500]}")
+            log("ERROR time", name, B, type(e).__name__, str(e)[:500])
+        save(args.out)
+    write_md(args.out)
+    print_table()
+
+
+def _table_rows():
+    by = {(r["name"], r["B"]): r for r in R["results"]}
+    out = []
+    for B in sorted({r["B"] for r in R["results"]}):
+        ref = by.get(("reference", B))
+        row = dict(B=B, roofline=logit_bytes(B) / HBM_BPS * 1e6)
+        for k in ("reference", "batched", "per_head", "keys_only"):
+            row[k] = by[(k, B)]["us"] if (k, B) in by else None
+        for k in ("batched", "per_head"):
+            row[k + "_x"] = (ref["us"] / row[k]) if ref and row[k] else None
+        out.append(row)
+    return out
+
+
+def _f(x, fmt="{:.1f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def write_md(out):
+    m = R["meta"]
+    lines = [f"# Sampling: all 10 samplings of a decode step ({m.get('device')}, {m.get('date')})", "",
+             f"Command: `{m.get('command')}`; jax {m.get('jax')}. Inputs: {m.get('inputs')}.", "",
+             "| streams | reference (jit, sort) µs | kernels batched (2 launches) µs | speed-up | "
+             "kernels per head (10 launches) µs | speed-up | key derivation alone µs | roofline µs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in _table_rows():
+        lines.append(f"| {r['B']} | {_f(r['reference'])} | {_f(r['batched'])} | {_f(r['batched_x'], '{:.0f}x')} | "
+                     f"{_f(r['per_head'])} | {_f(r['per_head_x'], '{:.0f}x')} | {_f(r['keys_only'])} | "
+                     f"{_f(r['roofline'])} |")
+    if R["tuning"]:
+        lines += ["", "Tuning variants (B = 128, batched):", "", "| variant | µs |", "|---|---|"]
+        lines += [f"| {t['name']} | {t['us']:.1f} |" for t in R["tuning"]]
+    if R.get("checks"):
+        lines += ["", "Device check, kernel vs reference samples on the same inputs and keys:", ""]
+        lines += [f"- {c['variant']} B={c['B']}: main {c['mismatch_main']}/{c['rows_main']} mismatches, heads "
+                  f"{c['mismatch_heads']}/{c['rows_heads']}" for c in R["checks"]]
+    if R.get("paths"):
+        lines += ["", f"Kernel paths taken (0 candidates, 1 full row + band threshold, 2 full row + 32-step search): "
+                      f"{R['paths']}"]
+    if R["errors"]:
+        lines += ["", "Errors:", ""] + [f"- {e[:300]}" for e in R["errors"]]
+    with open(os.path.join(out, "sampling_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def print_table():
+    print("\nstreams | reference us | batched us (x) | per_head us (x) | keys us | roofline us")
+    for r in _table_rows():
+        print(f"{r['B']:7d} | {_f(r['reference']):>12s} | {_f(r['batched']):>8s} ({_f(r['batched_x'], '{:.0f}x')}) | "
+              f"{_f(r['per_head']):>8s} ({_f(r['per_head_x'], '{:.0f}x')}) | {_f(r['keys_only']):>7s} | "
+              f"{_f(r['roofline'])}")
+    for t in R["tuning"]:
+        print(f"  tuning {t['name']}: {t['us']:.1f} us")
+    for c in R.get("checks", []):
+        print(f"  check {c['variant']} B={c['B']}: main {c['mismatch_main']}/{c['rows_main']}, heads "
+              f"{c['mismatch_heads']}/{c['rows_heads']} mismatches")
+    if R["errors"]:
+        print(f"  {len(R['errors'])} errors (see json)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
