@@ -46,8 +46,8 @@ f32 = jnp.float32
 
 # Tuning table. Keys are read by the wrappers below; override per call with keyword arguments.
 TUNING = {
-    "decode": {"bv": 32, "num_warps": 4, "num_stages": 1},
-    "prefill_prep": {"num_warps": 4, "num_stages": 1},
+    "decode": {"bv": 32, "num_warps": 4, "num_stages": 1, "prefetch": 1},
+    "prefill_prep": {"inv_num_warps": 4, "wu_num_warps": 8, "num_stages": 1},
     "prefill_state": {"bv": 64, "num_warps": 4, "num_stages": 2, "static_loop": True},
     "prefill": {"dot": "bfloat16"},
 }
@@ -89,64 +89,85 @@ def _params(table: str, overrides: dict) -> dict:
 
 # ==================================================================================================== decode
 def _decode_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref, state_ref,
-                   o_ref, conv_out_ref, state_out_ref, *, hk, dk, dv, rep, bv, ksize):
+                   o_ref, conv_out_ref, state_out_ref, *, hk, dk, dv, rep, bv, ksize, prefetch, barrier):
     bi = pl.program_id(0)
     kh = pl.program_id(1)
     slot = slots_ref[bi]
     kd = hk * dk
     xdt = x_ref.dtype
-    cdt = conv_out_ref.dtype
     sdt = state_out_ref.dtype
+    nj = dv // bv
 
     def conv(off, n):
-        """Causal conv over [conv_state rows..., x] for channels [off, off + n), SiLU; shifts the conv state.
-        Same casts as reference.causal_conv1d: the state is cast to x's dtype before the fp32 sum."""
+        """Depthwise causal conv + SiLU of channels [off, off + n) over [conv_state rows..., x]; same casts as
+        reference.causal_conv1d (the state is cast to x's dtype before the fp32 sum). Reads only."""
         ch = pl.ds(off, n)
         xs = [conv_ref[slot, i, ch].astype(xdt) for i in range(ksize - 1)] + [x_ref[bi, ch]]
         y = xs[0].astype(f32) * w_ref[ch, 0].astype(f32)
         for i in range(1, ksize):
             y = y + xs[i].astype(f32) * w_ref[ch, i].astype(f32)
-        for i in range(ksize - 1):  # each channel is loaded and stored by this program only
-            conv_out_ref[slot, i, ch] = xs[i + 1].astype(cdt)
         return y * jax.nn.sigmoid(y)
 
     q = _l2n(conv(kh * dk, dk)) * (dk ** -0.5)
     k = _l2n(conv(kd + kh * dk, dk))
-
-    tiles = [(r, j) for r in range(rep) for j in range(dv // bv)]
-
-    def load_tile(r, j):
+    kq = jnp.sum(k * q)
+    gates = []
+    for r in range(rep):
         h = kh * rep + r
-        return state_ref[slot, h, :, pl.ds(j * bv, bv)]
+        g = -jnp.exp(alog_ref[h].astype(f32)) * _softplus(a_ref[bi, h].astype(f32) + dtb_ref[h].astype(f32))
+        gates.append((jnp.exp(g), jax.nn.sigmoid(b_ref[bi, h].astype(f32))))
 
-    nxt = load_tile(*tiles[0])
+    # State tiles [dk, bv]: each read once and written once, `prefetch` tiles loaded ahead of the store.
+    # With d = e^g: kv = d S^T k and sq = d S^T q both use the old S (independent reductions), then
+    # delta = beta (v - kv), S' = d S + k delta^T, o = S'^T q = sq + delta (k . q).
+    tiles = [(r, j) for r in range(rep) for j in range(nj)]
+
+    def load_tile(t):
+        r, j = tiles[t]
+        return state_ref[slot, kh * rep + r, :, pl.ds(j * bv, bv)]
+
+    live = [load_tile(t) for t in range(min(prefetch, len(tiles)))]
     for t, (r, j) in enumerate(tiles):
-        cur = nxt
-        if t + 1 < len(tiles):
-            nxt = load_tile(*tiles[t + 1])  # issued before this tile's store: overlaps its latency
+        cur = live.pop(0)
+        if t + prefetch < len(tiles):
+            live.append(load_tile(t + prefetch))  # issued before this tile's store
         h = kh * rep + r
-        if j == 0:
-            g = -jnp.exp(alog_ref[h].astype(f32)) * _softplus(a_ref[bi, h].astype(f32) + dtb_ref[h].astype(f32))
-            beta = jax.nn.sigmoid(b_ref[bi, h].astype(f32))
-            decay = jnp.exp(g)
+        d, beta = gates[r]
         v = conv(2 * kd + h * dv + j * bv, bv)
-        s = cur.astype(f32) * decay                      # [dk, bv]
-        kv = jnp.sum(s * k[:, None], axis=0)             # S^T k
+        s = cur.astype(f32)
+        kv = d * jnp.sum(s * k[:, None], axis=0)
+        sq = d * jnp.sum(s * q[:, None], axis=0)
         delta = beta * (v - kv)
-        s = s + k[:, None] * delta[None, :]
-        o = jnp.sum(s * q[:, None], axis=0)              # S^T q
+        s = d * s + k[:, None] * delta[None, :]
         state_out_ref[slot, h, :, pl.ds(j * bv, bv)] = s.astype(sdt)
-        o_ref[bi, h, pl.ds(j * bv, bv)] = o
+        o_ref[bi, h, pl.ds(j * bv, bv)] = sq + delta * kq
+
+    # Shift the conv state of this program's channels (q and k of key head kh, v of its `rep` value heads: three
+    # contiguous ranges). Several threads may hold the same channel (replicated layouts), so: every thread has
+    # read the old rows (barrier), re-read what moves, barrier, then write.
+    ranges = [(kh * dk, dk), (kd + kh * dk, dk), (2 * kd + kh * rep * dv, rep * dv)]
+    if barrier:
+        plt.debug_barrier()
+    moved = []
+    for off, n in ranges:
+        ch = pl.ds(off, n)
+        moved.append([conv_ref[slot, i, ch] for i in range(1, ksize - 1)] + [x_ref[bi, ch]])
+    if barrier:
+        plt.debug_barrier()
+    for (off, n), rows in zip(ranges, moved):
+        for i, row in enumerate(rows):
+            conv_out_ref[slot, i, pl.ds(off, n)] = row.astype(xdt).astype(conv_out_ref.dtype)
 
 
 def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *,
                            num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, interpret: bool = False,
-                           bv: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+                           bv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                           prefetch: int | None = None):
     """Fused single-token GDN step on slot pools; same contract as `reference.gdn_decode_step`.
 
     The pools are updated in place (input_output_aliases); only the `slots` rows change. Donate conv_state and
     ssm_state at the enclosing jit to avoid a copy of the pool."""
-    p = _params("decode", dict(bv=bv, num_warps=num_warps, num_stages=num_stages))
+    p = _params("decode", dict(bv=bv, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch))
     B, C = mixed_qkv.shape
     hv = a.shape[-1]
     hk, dk, dv = num_k_heads, head_k_dim, head_v_dim
@@ -159,7 +180,8 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
         assert conv_state.shape[0] == B and ssm_state.shape[0] == B
         slots = jnp.arange(B, dtype=jnp.int32)
     slots = slots.astype(jnp.int32)
-    kernel = functools.partial(_decode_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize)
+    kernel = functools.partial(_decode_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize,
+                               prefetch=max(1, p["prefetch"]), barrier=not interpret)
     o, conv_state, ssm_state = pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((B, hv, dv), f32),
@@ -197,74 +219,83 @@ def _masked_load(ref, mask, shape, dtype=f32):
     return plt.load(ref, mask=jnp.broadcast_to(mask, shape), other=0).astype(dtype)
 
 
-def _prep_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, w_ref, u_ref, aqk_ref, gc_ref, *,
-                 rep, dk, dv, scale, dot):
-    """Per (sequence, value head, chunk): w, u, Aqk and the chunk-local cumulative log decay."""
+def _inv_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot, barrier):
+    """Per (sequence, value head, chunk): X = (I + A)^-1 with A = strictly-lower(beta K K^T * exp(gc_i - gc_j)).
+
+    A is one [64, 64] dot, parked in the output rows (fp32) and read back as 16x16 blocks; the diagonal blocks are
+    inverted by forward substitution, the others by block forward substitution X_ij = -X_ii sum_{m=j}^{i-1} A_im X_mj
+    (fp32, FLA solve_tril's blocking). Stored as a full [64, 64] block row (zeros above the diagonal blocks)."""
     bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // rep
     L = len_ref[bi]
     t0 = c * CHUNK
     nb = CHUNK // SUB
-    wdt, adt = w_ref.dtype, aqk_ref.dtype
 
-    @pl.when(t0 < L)  # chunks wholly past the sequence end are never read by the state kernel
+    @pl.when(t0 < L)  # chunks wholly past the sequence end are never read
     def _():
-        sr = jnp.arange(SUB, dtype=jnp.int32)
-        ks, rks, rvs, gcs, betas = [], [], [], [], []
-        off = jnp.zeros((), f32)
-        for i in range(nb):
-            s0 = t0 + i * SUB
-            valid = (s0 + sr) < L
-            rows = pl.ds(s0, SUB)
-            k_i = _l2n(_masked_load(k_ref.at[bi, rows, kh, :], valid[:, None], (SUB, dk)))
-            v_i = _masked_load(v_ref.at[bi, rows, h, :], valid[:, None], (SUB, dv))
-            g_i = _masked_load(g_ref.at[bi, rows, h], valid, (SUB,))
-            be_i = _masked_load(beta_ref.at[bi, rows, h], valid, (SUB,))
-            gc_i = jnp.cumsum(g_i) + off
-            off = off + jnp.sum(g_i)
-            ks.append(k_i)
-            gcs.append(gc_i)
-            betas.append(be_i)
-            rks.append(k_i * (be_i * jnp.exp(gc_i))[:, None])
-            rvs.append(v_i * be_i[:, None])
-        r16 = sr[:, None]
-        c16 = sr[None, :]
-        A = {}
-        for i in range(nb):
-            for j in range(i + 1):
-                kk = _dot_nt(ks[i], ks[j], dot)
-                m = (r16 > c16) if i == j else jnp.ones((SUB, SUB), bool)
-                dg = jnp.where(m, gcs[i][:, None] - gcs[j][None, :], 0.0)
-                A[i, j] = jnp.where(m, betas[i][:, None] * kk * jnp.exp(dg), 0.0)
+        cr = jnp.arange(CHUNK, dtype=jnp.int32)
+        valid = (t0 + cr) < L
+        rows = pl.ds(t0, CHUNK)
+        k = _l2n(_masked_load(k_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk)))
+        be = _masked_load(beta_ref.at[bi, rows, h], valid, (CHUNK,))
+        gc = jnp.cumsum(_masked_load(g_ref.at[bi, rows, h], valid, (CHUNK,)))
+        sl = cr[:, None] > cr[None, :]
+        dg = jnp.where(sl, gc[:, None] - gc[None, :], 0.0)
+        x_ref[bi, h, rows, :] = jnp.where(sl, be[:, None] * _dot_nt(k, k, dot) * jnp.exp(dg), 0.0)
+        if barrier:
+            plt.debug_barrier()  # A written by all threads before any thread reads its blocks back
+        blk = lambda i, j: x_ref[bi, h, pl.ds(t0 + i * SUB, SUB), pl.ds(j * SUB, SUB)]
+        A = {(i, j): blk(i, j) for i in range(nb) for j in range(i + 1)}
+        if barrier:
+            plt.debug_barrier()  # every block read before X overwrites them
         X = dict(zip([(i, i) for i in range(nb)], _tri_inv_unit([A[i, i] for i in range(nb)], SUB)))
-        for d in range(1, nb):  # block forward substitution: X_ij = -X_ii sum_{m=j}^{i-1} A_im X_mj
+        for d in range(1, nb):
             for i in range(d, nb):
                 j = i - d
                 acc = _dot(A[i, j], X[j, j], "float32")
                 for m in range(j + 1, i):
                     acc = acc + _dot(A[i, m], X[m, j], "float32")
                 X[i, j] = -_dot(X[i, i], acc, "float32")
+        zero = jnp.zeros((SUB, SUB), f32)
         for i in range(nb):
-            w_i = _dot(X[i, 0], rks[0], dot)
-            u_i = _dot(X[i, 0], rvs[0], dot)
-            for j in range(1, i + 1):
-                w_i = w_i + _dot(X[i, j], rks[j], dot)
-                u_i = u_i + _dot(X[i, j], rvs[j], dot)
-            rows = pl.ds(t0 + i * SUB, SUB)
-            w_ref[bi, h, rows, :] = w_i.astype(wdt)
-            u_ref[bi, h, rows, :] = u_i.astype(u_ref.dtype)
-        # Whole-chunk intra scores.
+            for j in range(nb):
+                x_ref[bi, h, pl.ds(t0 + i * SUB, SUB), pl.ds(j * SUB, SUB)] = X[i, j] if j <= i else zero
+
+
+def _wu_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
+               w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *, rep, dk, dv, scale, dot):
+    """Per (sequence, value head, chunk), everything the sequential pass needs as ready-made dot operands:
+    w = X (beta e^gc k), u = X (beta v), qg = q e^gc (scaled), kg = k e^(gl - gc), Aqk = tril(q k^T e^(gc_i-gc_j)),
+    dl = e^gl (gl = the chunk's total log decay; 1 for chunks past the end)."""
+    bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = h // rep
+    L = len_ref[bi]
+    t0 = c * CHUNK
+
+    @pl.when(t0 < L)
+    def _():
         cr = jnp.arange(CHUNK, dtype=jnp.int32)
         valid = (t0 + cr) < L
         rows = pl.ds(t0, CHUNK)
-        qf = _l2n(_masked_load(q_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk))) * scale
-        kf = _l2n(_masked_load(k_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk)))
-        gf = jnp.cumsum(_masked_load(g_ref.at[bi, rows, h], valid, (CHUNK,)))
+        q = _l2n(_masked_load(q_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk))) * scale
+        k = _l2n(_masked_load(k_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk)))
+        v = _masked_load(v_ref.at[bi, rows, h, :], valid[:, None], (CHUNK, dv))
+        be = _masked_load(beta_ref.at[bi, rows, h], valid, (CHUNK,))
+        gc = jnp.cumsum(_masked_load(g_ref.at[bi, rows, h], valid, (CHUNK,)))
+        gl = jnp.sum(jnp.where(cr == CHUNK - 1, gc, 0.0))
+        X = x_ref[bi, h, rows, :]
+        w_ref[bi, h, rows, :] = _dot(X, k * (be * jnp.exp(gc))[:, None], dot).astype(w_ref.dtype)
+        u_ref[bi, h, rows, :] = _dot(X, v * be[:, None], dot).astype(u_ref.dtype)
+        qg_ref[bi, h, rows, :] = (q * jnp.exp(gc)[:, None]).astype(qg_ref.dtype)
+        kg_ref[bi, h, rows, :] = (k * jnp.exp(gl - gc)[:, None]).astype(kg_ref.dtype)
         tri = cr[:, None] >= cr[None, :]
-        dg = jnp.where(tri, gf[:, None] - gf[None, :], 0.0)
-        aqk = jnp.where(tri, _dot_nt(qf, kf, dot) * jnp.exp(dg), 0.0)
-        aqk_ref[bi, h, rows, :] = aqk.astype(adt)
-        gc_ref[bi, h, rows] = gf
+        dg = jnp.where(tri, gc[:, None] - gc[None, :], 0.0)
+        aqk_ref[bi, h, rows, :] = jnp.where(tri, _dot_nt(q, k, dot) * jnp.exp(dg), 0.0).astype(aqk_ref.dtype)
+        dl_ref[bi, h, c] = jnp.exp(gl)
+
+    @pl.when(t0 >= L)
+    def _():
+        dl_ref[bi, h, c] = jnp.ones((), f32)
 
 
 def _dot_nt(a, b, mode):
@@ -275,15 +306,15 @@ def _dot_nt(a, b, mode):
                                preferred_element_type=f32)
 
 
-def _state_kernel(len_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref, gc_ref, *rest, rep, dk, bv, T, nc, scale, dot,
-                  has_init, static_loop):
-    """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers."""
+def _state_kernel(len_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *rest, dk, bv, T, nc, dot, has_init,
+                  static_loop):
+    """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers:
+    v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new."""
     if has_init:
         s0_ref, o_ref, st_ref = rest
     else:
         o_ref, st_ref = rest
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kh = h // rep
     L = len_ref[bi]
     cols = pl.ds(j * bv, bv)
     cr = jnp.arange(CHUNK, dtype=jnp.int32)
@@ -295,24 +326,25 @@ def _state_kernel(len_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref, gc_ref, *rest, r
     def body(c, S):
         t0 = c * CHUNK
         rows = pl.ds(t0, CHUNK)
-        valid = (t0 + cr) < L
-        live = jnp.broadcast_to(t0 < L, (CHUNK,))       # chunk has any valid row (else: a no-op chunk)
-        q = _l2n(_masked_load(q_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk))) * scale
-        k = _l2n(_masked_load(k_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk)))
-        gc = _masked_load(gc_ref.at[bi, h, rows], live, (CHUNK,))
-        gl = jnp.sum(jnp.where(cr == CHUNK - 1, gc, 0.0))
-        w = _masked_load(w_ref.at[bi, h, rows, :], live[:, None], (CHUNK, dk), w_ref.dtype)
-        u = _masked_load(u_ref.at[bi, h, rows, cols], live[:, None], (CHUNK, bv))
-        aqk = _masked_load(aqk_ref.at[bi, h, rows, :], live[:, None], (CHUNK, CHUNK), aqk_ref.dtype)
-        qg = q * jnp.exp(gc)[:, None]
-        kg = k * jnp.exp(gl - gc)[:, None]
+        if static_loop:  # chunks past the end were never written: masked loads give zeros (a no-op chunk)
+            live = jnp.broadcast_to(t0 < L, (CHUNK, 1))
+            ld = lambda ref, n, dt: _masked_load(ref, live, (CHUNK, n), dt)
+        else:
+            ld = lambda ref, n, dt: ref[...].astype(dt)
+        opdt = _DOT_DTYPE[dot]
+        w = ld(w_ref.at[bi, h, rows, :], dk, opdt)
+        qg = ld(qg_ref.at[bi, h, rows, :], dk, opdt)
+        kg = ld(kg_ref.at[bi, h, rows, :], dk, opdt)
+        aqk = ld(aqk_ref.at[bi, h, rows, :], CHUNK, opdt)
+        u = ld(u_ref.at[bi, h, rows, cols], bv, f32)
+        dl = dl_ref[bi, h, c]
         v_new = u - _dot(w, S, dot)
         o = _dot(qg, S, dot) + _dot(aqk, v_new, dot)
-        S = jnp.exp(gl) * S + _dot(kg, v_new, dot, trans_a=True)
+        S = dl * S + _dot(kg, v_new, dot, trans_a=True)
         plt.store(o_ref.at[bi, rows, h, cols], o, mask=jnp.broadcast_to(((t0 + cr) < T)[:, None], (CHUNK, bv)))
         return S
 
-    if static_loop:  # fixed trip count (scf.for: Triton can software-pipeline the loads); dead chunks are no-ops
+    if static_loop:  # fixed trip count (scf.for: Triton can software-pipeline the loads)
         S = jax.lax.fori_loop(0, nc, body, S)
     else:            # only the live chunks, then zero-fill the rest of the output
         ncv = (L + CHUNK - 1) // CHUNK
@@ -331,14 +363,15 @@ def _state_kernel(len_ref, q_ref, k_ref, w_ref, u_ref, aqk_ref, gc_ref, *rest, r
 def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengths=None, *, interpret: bool = False,
                                      dot: str | None = None, bv: int | None = None, static_loop: bool | None = None,
                                      num_warps: int | None = None, num_stages: int | None = None,
-                                     prep_num_warps: int | None = None):
+                                     inv_num_warps: int | None = None, wu_num_warps: int | None = None):
     """Chunked gated delta rule; same contract as `reference.gated_delta_chunked` (o and final state in fp32).
 
     q, k [B, T, H_k, D_k]; v [B, T, H_v, D_v]; g (log decay), beta [B, T, H_v]; initial_state [B, H_v, D_k, D_v]
-    (fp32 or bf16); lengths [B] (None: all T). Positions >= lengths[b] give zero output and leave the state alone."""
+    (fp32 or bf16); lengths [B] (None: all T). Positions >= lengths[b] give zero output and leave the state alone.
+    Three launches: (I + A)^-1 per chunk, the per-chunk dot operands, the sequential state pass."""
     pd = _params("prefill", dict(dot=dot))
     ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
-    pp = _params("prefill_prep", dict(num_warps=prep_num_warps))
+    pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps))
     dot = pd["dot"]
     B, T, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -350,24 +383,29 @@ def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengt
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
     lengths = jnp.minimum(lengths.astype(jnp.int32), T)
-    scale = dk ** -0.5
-    inter = _DOT_DTYPE[dot]  # w and Aqk are only ever dot operands: store them in the operand dtype
-    w, u, aqk, gc = pl.pallas_call(
-        functools.partial(_prep_kernel, rep=rep, dk=dk, dv=dv, scale=scale, dot=dot),
-        out_shape=(jax.ShapeDtypeStruct((B, hv, tp, dk), inter),
+    opdt = _DOT_DTYPE[dot]  # everything the state pass reads as a dot operand is stored in the operand dtype
+    pinv = plt.CompilerParams(num_warps=pp["inv_num_warps"], num_stages=pp["num_stages"])
+    pwu = plt.CompilerParams(num_warps=pp["wu_num_warps"], num_stages=pp["num_stages"])
+    xinv = pl.pallas_call(
+        functools.partial(_inv_kernel, rep=rep, dk=dk, dot=dot, barrier=not interpret),
+        out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), f32),
+        grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse",
+    )(lengths, k, g, beta)
+    w, u, qg, kg, aqk, dl = pl.pallas_call(
+        functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
+        out_shape=(jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
                    jax.ShapeDtypeStruct((B, hv, tp, dv), f32),
-                   jax.ShapeDtypeStruct((B, hv, tp, CHUNK), inter),
-                   jax.ShapeDtypeStruct((B, hv, tp), f32)),
-        grid=(B, hv, nc),
-        compiler_params=plt.CompilerParams(num_warps=pp["num_warps"], num_stages=pp["num_stages"]),
-        interpret=interpret,
-        name="gdn_prefill_prep",
-    )(lengths, q, k, v, g, beta)
+                   jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
+                   jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
+                   jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
+                   jax.ShapeDtypeStruct((B, hv, nc), f32)),
+        grid=(B, hv, nc), compiler_params=pwu, interpret=interpret, name="gdn_prefill_wu",
+    )(lengths, q, k, v, g, beta, xinv)
     has_init = initial_state is not None
-    args = (lengths, q, k, w, u, aqk, gc) + ((initial_state,) if has_init else ())
+    args = (lengths, w, u, qg, kg, aqk, dl) + ((initial_state,) if has_init else ())
     o, st = pl.pallas_call(
-        functools.partial(_state_kernel, rep=rep, dk=dk, bv=bv_, T=T, nc=nc, scale=scale, dot=dot,
-                          has_init=has_init, static_loop=ps["static_loop"]),
+        functools.partial(_state_kernel, dk=dk, bv=bv_, T=T, nc=nc, dot=dot, has_init=has_init,
+                          static_loop=ps["static_loop"]),
         out_shape=(jax.ShapeDtypeStruct((B, T, hv, dv), f32),
                    jax.ShapeDtypeStruct((B, hv, dk, dv), f32)),
         grid=(B, hv, dv // bv_),
