@@ -7,7 +7,8 @@ Backends:
                        gate+up with fused SwiGLU, down with the router weight in the epilogue; FP8 W8A16 or bf16.
   "pallas"             the default Pallas GPU backend (currently "pallas_triton", the one measured fastest on the H200).
 
-Every backend takes the checkpoint-layout `ExpertWeights` as is (no load-time re-layout needed). Backend-specific
+Every backend takes the checkpoint-layout `ExpertWeights` as is: FP8 e4m3 + fp32 128x128 block scales, or bf16, in the
+[out, in] orientation. No load-time re-layout is needed; the Pallas kernels index the checkpoint layout directly. Backend-specific
 keyword options pass through `**options` (e.g. `interpret=True` to run a Pallas backend in interpret mode on CPU,
 `config=` to override the block-size table).
 """

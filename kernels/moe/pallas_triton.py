@@ -14,6 +14,12 @@ converted to bf16 in registers and fed to a bf16 x bf16 -> fp32 dot (W8A16); as 
 of vLLM's block-FP8 fused_moe and DeepGEMM). N tiles are the fastest grid axis, so the programs that share a block's
 activations run together and an expert's weight tiles are read from HBM once per step in decode.
 
+Options (TritonMoeConfig, chosen per regime in kernels/moe/tuning.py from H200 sweeps): `gu_f16` runs the gate/up GEMM in
+f16 when the weights are FP8 (e4m3 -> f16 is a single convert on sm90, -> bf16 is not; assumes |x| < 65504, true for the
+RMS-normed MoE input); `swap_ab` puts the weight tile on the MMA's M side (measured slower in Triton, kept for study).
+Measured (experiments/results/moe_summary.md): bf16 weights stream at ~3.9 TB/s at decode; FP8 at ~2.7 TB/s
+(0.293 ms per layer at T=128, 64% of the FP8 roofline); prefill T=16384 at 390 TFLOP/s with bf16 weights.
+
 Design sources (read, not copied): vLLM fused_moe (moe_align_block_size, in-kernel gather by token id, router weight
 in the second GEMM's epilogue, block-FP8 promotion), tokamax ragged_dot GroupInfo (per-block metadata in XLA).
 """
@@ -207,7 +213,7 @@ def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, co
     interpret=None runs the real kernel on GPU and Pallas interpret mode elsewhere."""
     T, H = x.shape
     k = topk_ids.shape[1]
-    cfg = config or pick(TRITON_TABLE, T * k)
+    cfg = config or pick(TRITON_TABLE, T * k, w.is_fp8)
     if interpret is None:
         interpret = _default_interpret()
     sched = expert_block_schedule(topk_ids, w.num_experts, cfg.block_m)

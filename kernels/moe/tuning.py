@@ -1,9 +1,9 @@
-"""Block-size tables for the Pallas MoE backends, as data. Keyed by the number of (token, slot) pairs M = T * k.
+"""Block-size tables for the Pallas MoE backends, as data. Keyed by weight dtype, then by the number of (token, slot)
+pairs M = T * k: a list of (max_pairs, config) rows, the first row whose max_pairs >= M wins.
 
-Each table is a list of (max_pairs, config) rows, first row whose max_pairs >= M wins; the last row is the default.
-Values were chosen for Drama 3 shapes (H 2048, I 512, E 256, top-8) on the H200; see experiments/results/moe_*.md.
-Decode (M <= 2048): weight-bandwidth bound, small row blocks and narrow N tiles so that ~8..252 touched experts still
-give >= 2 programs per SM. Prefill: tensor-core bound, 64..128-row blocks.
+Values were measured for Drama 3 shapes (H 2048, I 512, E 256, top-8) on the H200; see experiments/results/moe_*.md.
+Decode (M <= 2048, T <= 256): weight-bandwidth bound, 16-row blocks and narrow N tiles so that ~8..256 touched experts
+still give several programs per SM. Prefill: tensor-core bound, 64..128-row blocks.
 """
 
 from __future__ import annotations
@@ -31,21 +31,31 @@ class TritonMoeConfig:
     gu_f16: bool = False
 
 
-# (max_pairs M, config)
-TRITON_TABLE: list[tuple[int, dict]] = [
-    (64, dict(block_m=16, gu_block_n=32, gu_block_k=128, dn_block_n=64, dn_block_k=128, gu_warps=4, gu_stages=4,
-              dn_warps=4, dn_stages=4)),
-    (2048, dict(block_m=16, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, gu_warps=4, gu_stages=4,
-                dn_warps=4, dn_stages=4)),
-    (16384, dict(block_m=64, gu_block_n=128, gu_block_k=64, dn_block_n=128, dn_block_k=64, gu_warps=8, gu_stages=3,
-                 dn_warps=4, dn_stages=3)),
-    (1 << 62, dict(block_m=128, gu_block_n=128, gu_block_k=64, dn_block_n=128, dn_block_k=64, gu_warps=8,
-                   gu_stages=3, dn_warps=8, dn_stages=3)),
-]
+# {weights dtype: [(max_pairs M, config), ...]}. Winners of the same-run sweep on the H200 (2026-11-30,
+# experiments/results/moe_bench.md "Sweep"): at decode T=128 the FP8 f16-gate/up variant (0.293 ms) beat plain (0.304),
+# swap-AB (0.367) and swap-AB+f16 (0.328); at prefill T=8192 plain beat every swap-AB/f16 variant for both dtypes
+# (FP8: 2.05 ms block_m 64 vs 2.21 f16, 2.79 swap-AB+f16; bf16: 1.20 ms vs 1.50 swap-AB). An earlier run's sweep chose
+# the decode tile sizes (T=1 and T=128) and the prefill block_m per dtype (experiments/results/moe_bench_run1.md).
+# bf16 with 128x128 tiles and 4 stages does not fit in shared memory (278 KB > 227 KB).
+_DECODE_BF16 = dict(block_m=16, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, gu_warps=4, gu_stages=4,
+                    dn_warps=4, dn_stages=4)
+TRITON_TABLE: dict[str, list[tuple[int, dict]]] = {
+    "fp8": [
+        (2048, dict(_DECODE_BF16, gu_f16=True)),
+        (1 << 62, dict(block_m=64, gu_block_n=128, gu_block_k=64, dn_block_n=128, dn_block_k=64, gu_warps=4,
+                       gu_stages=4, dn_warps=4, dn_stages=4)),
+    ],
+    "bf16": [
+        (2048, _DECODE_BF16),
+        (1 << 62, dict(block_m=128, gu_block_n=128, gu_block_k=64, dn_block_n=128, dn_block_k=64, gu_warps=8,
+                       gu_stages=3, dn_warps=8, dn_stages=3)),
+    ],
+}
 
 
-def pick(table: list[tuple[int, dict]], num_pairs: int, cls=TritonMoeConfig):
-    for max_pairs, cfg in table:
+def pick(table: dict[str, list[tuple[int, dict]]], num_pairs: int, fp8: bool, cls=TritonMoeConfig):
+    rows = table["fp8" if fp8 else "bf16"]
+    for max_pairs, cfg in rows:
         if num_pairs <= max_pairs:
             return cls(**cfg)
-    return cls(**table[-1][1])
+    return cls(**rows[-1][1])
