@@ -38,17 +38,15 @@ CONV = 2 * HK * D + HV * D
 HBM_BPS = 4.2e12      # device-to-device copy, h200-baselines.md (re-measured below)
 PEAK_FLOPS = 780e12   # XLA bf16 GEMM, h200-baselines.md
 STREAMS = [1, 32, 128, 256]
-PREFILL = [(1, 256), (1, 1024), (1, 4096), (8, 256), (8, 1024), (8, 4096)]
+PREFILL = [(1, 1024), (1, 4096), (8, 1024), (1, 256), (8, 256), (8, 4096)]  # targets first
 MAX_SLOT_BLOCKS = 128
 KEXTRA = {}  # extra kwargs for every Pallas call ({"interpret": True} in --cpu-smoke)
 
 # Variants: name -> backend kwargs (pallas_triton). The first of each list is the default (TUNING).
 DECODE_VARIANTS = {"triton": {}, "triton_bv16_w1": {"bv": 16, "num_warps": 1},
-                   "triton_bv16_w2": {"bv": 16, "num_warps": 2},
-                   "triton_bv32_pf2_w8": {"bv": 32, "prefetch": 2, "num_warps": 8},
-                   "triton_bv64_w8": {"bv": 64, "num_warps": 8}}
+                   "triton_bv16_w2": {"bv": 16, "num_warps": 2}, "triton_bv64_w8": {"bv": 64, "num_warps": 8}}
 PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_bv32": {"bv": 32},
-                    "triton_ns3": {"num_stages": 3}, "triton_inv8": {"inv_num_warps": 8}}
+                    "triton_inv8": {"inv_num_warps": 8}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}
@@ -214,10 +212,13 @@ def phase_decode(jax, jnp, np, args):
     from kernels.gdn import pallas_triton, reference
     ks = jax.random.split(jax.random.PRNGKey(5), 6)
     w, A_log, dt_bias = gates_params(jax, jnp, ks[0])
-    streams = [128] if args.quick else STREAMS
-    for sdt in (jnp.float32, jnp.bfloat16):
-        sb = jnp.dtype(sdt).itemsize
-        for B in streams:
+    streams = [128] if args.quick else sorted(STREAMS, key=lambda b_: b_ != 128)
+    plan = [(B, sdt, {"triton": {}} | ({"reference": None} if B in (1, 128) else {}))
+            for B in streams for sdt in (jnp.float32, jnp.bfloat16)]
+    plan += [(128, sdt, {n_: v_ for n_, v_ in DECODE_VARIANTS.items() if n_ != "triton"})
+             for sdt in (jnp.float32, jnp.bfloat16) if 128 in streams]
+    for B, sdt, variants in plan:
+            sb = jnp.dtype(sdt).itemsize
             pool_bytes = B * HV * D * D * sb
             L = int(min(MAX_SLOT_BLOCKS, max(1, math.ceil(256e6 / pool_bytes))))  # slot blocks rotated per cycle
             n = max(L, 40 if B >= 128 else 100)
@@ -226,9 +227,11 @@ def phase_decode(jax, jnp, np, args):
             a = jax.random.normal(ks[2], (B, HV), jnp.bfloat16)
             b = jax.random.normal(ks[3], (B, HV), jnp.bfloat16)
             nbytes = decode_bytes(B, sb)
-            variants = dict(DECODE_VARIANTS) if B == 128 else {"triton": {}}
-            variants["reference"] = None
             for name, vk in variants.items():
+                if time.time() - T0 > args.decode_deadline:
+                    R["errors"].append(f"decode B={B} {jnp.dtype(sdt).name} {name} skipped: time")
+                    continue
+
                 def run():
                     conv = jax.random.normal(ks[4], (L * B, KC - 1, CONV), jnp.bfloat16)
                     ssm = (jax.random.normal(ks[5], (L * B, HV, D, D)) * 0.1).astype(sdt)
@@ -256,40 +259,45 @@ def phase_decode(jax, jnp, np, args):
                     log(f"decode B={B:3d} {row['state']:8s} {name:16s} {t * 1e3:8.4f} ms  "
                         f"{row['TBps']:.2f} TB/s  {100 * row['frac_roofline']:.0f}% of roofline")
                 guard(f"decode {B} {name}", run)
-            if time.time() - T0 > args.budget:
-                return
 
 
 def phase_prefill(jax, jnp, np, args):
+    """Default tuning (+ the jnp reference at the target shapes) over all shapes first, then the variants."""
     from kernels.gdn import pallas_triton, reference
     shapes = [(1, 1024), (1, 4096), (8, 1024)] if args.quick else PREFILL
-    for B, T in shapes:
-        q, k, v, g, beta, s0 = prefill_inputs(jax, jnp, B, T)
+    plan = [(B, T, "triton", {}) for B, T in shapes]
+    plan += [(B, T, "reference", None) for B, T in shapes if (B, T) in ((1, 1024), (1, 4096), (8, 1024))]
+    plan += [(B, T, n_, v_) for B, T in ((1, 4096), (8, 1024)) for n_, v_ in PREFILL_VARIANTS.items()
+             if n_ != "triton" and (B, T) in shapes]
+    inputs = {}
+    for B, T, name, vk in plan:
+        if time.time() - T0 > args.prefill_deadline:
+            R["errors"].append(f"prefill {B}x{T} {name} skipped: time")
+            continue
+        if (B, T) not in inputs:
+            inputs.clear()
+            inputs[(B, T)] = prefill_inputs(jax, jnp, B, T)
+        q, k, v, g, beta, s0 = inputs[(B, T)]
         nbytes, fl = prefill_bytes(B, T), prefill_flops(B, T)
         roof = max(nbytes / HBM_BPS, fl / PEAK_FLOPS)
-        full = (B, T) in ((1, 4096), (8, 1024))
-        variants = dict(PREFILL_VARIANTS) if full else {"triton": {}}
-        variants["reference"] = None
-        for name, vk in variants.items():
-            def run():
-                if vk is None:
-                    fn = lambda s, c: reference.gated_delta_chunked(*c, s)
-                else:
-                    fn = lambda s, c: pallas_triton.gated_delta_chunk_prefill_triton(*c, s, **vk, **KEXTRA)
-                n = 20 if B * T <= 8192 else 8
-                if vk is None:
-                    n = max(2, n // 4)
-                carry = (jnp.zeros((B, T, HV, D), jnp.float32), jnp.copy(s0))  # donated by the loop
-                t, tmin, _ = jax_loop_time(jax, lambda i, c, cs: fn(c[1], cs), carry, n, consts=(q, k, v, g, beta))
-                row = dict(B=B, T=T, impl=name, kwargs=vk, ms=t * 1e3, ms_min=tmin * 1e3, bytes=nbytes, flops=fl,
-                           roofline_ms=roof * 1e3, Mtok_s=B * T / t / 1e6)
-                R["prefill"].append(row)
-                save(args.out)
-                log(f"prefill B={B} T={T:5d} {name:12s} {t * 1e3:8.3f} ms  ({row['Mtok_s']:.1f} M tok/s, "
-                    f"roofline {roof * 1e3:.3f} ms)")
-            guard(f"prefill {B}x{T} {name}", run)
-        if time.time() - T0 > args.budget:
-            return
+
+        def run():
+            if vk is None:
+                fn = lambda s, c: reference.gated_delta_chunked(*c, s)
+            else:
+                fn = lambda s, c: pallas_triton.gated_delta_chunk_prefill_triton(*c, s, **vk, **KEXTRA)
+            n = 20 if B * T <= 8192 else 8
+            if vk is None:
+                n = max(2, n // 4)
+            carry = (jnp.zeros((B, T, HV, D), jnp.float32), jnp.copy(s0))  # donated by the loop
+            t, tmin, _ = jax_loop_time(jax, lambda i, c, cs: fn(c[1], cs), carry, n, consts=(q, k, v, g, beta))
+            row = dict(B=B, T=T, impl=name, kwargs=vk, ms=t * 1e3, ms_min=tmin * 1e3, bytes=nbytes, flops=fl,
+                       roofline_ms=roof * 1e3, Mtok_s=B * T / t / 1e6)
+            R["prefill"].append(row)
+            save(args.out)
+            log(f"prefill B={B} T={T:5d} {name:12s} {t * 1e3:8.3f} ms  ({row['Mtok_s']:.1f} M tok/s, "
+                f"roofline {roof * 1e3:.3f} ms)")
+        guard(f"prefill {B}x{T} {name}", run)
 
 
 def phase_ablation(jax, jnp, np, args):
@@ -397,7 +405,10 @@ def phase_fla(jax, jnp, np, args):
         return t_events(gr.replay, n, reps)
 
     def to_t(x):
-        return torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(dev)
+        try:
+            return torch.from_dlpack(x)  # zero-copy on the GPU
+        except Exception:  # noqa: BLE001
+            return torch.from_numpy(np.array(x.astype(jnp.float32))).to(dev)
 
     rows = []
     shapes = [(1, 1024), (1, 4096), (8, 1024)] + ([] if args.quick else [(1, 256), (8, 256), (8, 4096)])
@@ -410,8 +421,8 @@ def phase_fla(jax, jnp, np, args):
 
         def run():
             q, k, v, g, beta, s0 = prefill_inputs(jax, jnp, B, T)
-            tq, tk, tv = (to_t(x).to(torch.bfloat16) for x in (q, k, v))
-            tg, tb, ts0 = to_t(g), to_t(beta).to(torch.bfloat16), to_t(s0)
+            tq, tk, tv = (to_t(x).to(torch.bfloat16).contiguous() for x in (q, k, v))
+            tg, tb, ts0 = to_t(g).contiguous(), to_t(beta).to(torch.bfloat16).contiguous(), to_t(s0).clone()
             fn = lambda: chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=ts0, output_final_state=True,
                                                 use_qk_l2norm_in_kernel=True)
             o_f, st_f = fn()
@@ -568,12 +579,13 @@ def plot(out):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="experiments/results")
-    ap.add_argument("--phases", default="check,decode,prefill,ablation,fla")
+    ap.add_argument("--phases", default="check,prefill,decode,ablation,fla")
+    ap.add_argument("--prefill-deadline", type=float, default=1e9, help="prefill configs skipped after (s)")
+    ap.add_argument("--decode-deadline", type=float, default=1e9, help="decode configs skipped after (s)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which long phases stop early")
     ap.add_argument("--report-only", default=None)
     ap.add_argument("--fla-budget", type=float, default=1e9, help="FLA shapes are skipped after this time (s)")
-    ap.add_argument("--warmup-wait", type=float, default=90.0, help="latest time (s) to wait for the FLA warm-up")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Pallas interpret mode (script check)")
     ap.add_argument("--full-check", action="store_true", help="check every prefill variant on the GPU")
     ap.add_argument("--fla-warmup", action="store_true", help=argparse.SUPPRESS)
@@ -607,12 +619,12 @@ def main():
     table = {"check": phase_check, "decode": phase_decode, "prefill": phase_prefill, "ablation": phase_ablation,
              "fla": phase_fla}
     for p in phases:
-        if time.time() - T0 > args.budget and p != "fla":
+        if time.time() - T0 > args.budget and p not in ("fla", "ablation"):
             R["errors"].append(f"phase {p} skipped: budget")
             continue
-        if p in ("decode", "prefill", "fla", "ablation") and warm is not None:  # no side GPU work while timing
+        if p == "fla" and warm is not None:  # FLA's compiles/autotuning ran in the side process meanwhile
             try:
-                warm.wait(timeout=max(1.0, args.warmup_wait - (time.time() - T0)))
+                warm.wait(timeout=max(1.0, args.fla_budget - 20 - (time.time() - T0)))
             except Exception:  # noqa: BLE001
                 warm.kill()
                 R["errors"].append("FLA warm-up process killed (took too long)")
