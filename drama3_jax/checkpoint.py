@@ -256,9 +256,10 @@ def random_tensors(cfg: Drama3Config, seed: int) -> Iterator[tuple[TensorSpec, n
 
 
 def write_random_checkpoint(cfg: Drama3Config, out_dir: str | Path, *, seed: int = 0,
-                            shard_bytes: int = 256 << 10, tokenizer: bool = True) -> Path:
-    """Write config.json + sharded safetensors + index in the exact HF layout, deterministic from `seed`, and (for
-    configs with the tiny vocabulary layout) a real byte-level BPE tokenizer.json."""
+                            shard_bytes: int = 256 << 10, tokenizer: bool = True, codec_cfg=None) -> Path:
+    """Write config.json + sharded safetensors + index in the exact HF layout, deterministic from `seed`; for configs
+    with the tiny vocabulary layout a real byte-level BPE tokenizer.json; with `codec_cfg` a random codec.pth in
+    Fish's key layout (needs torch, a dev dependency)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shards: list[list[tuple[str, np.ndarray]]] = [[]]
@@ -284,6 +285,10 @@ def write_random_checkpoint(cfg: Drama3Config, out_dir: str | Path, *, seed: int
         from drama3_jax.tokenizer import write_tiny_tokenizer
 
         write_tiny_tokenizer(out / "tokenizer.json", cfg)
+    if codec_cfg is not None:
+        from drama3_jax.codec.convert import write_random_codec_pth
+
+        write_random_codec_pth(out / "codec.pth", codec_cfg, seed)
     return out
 
 
@@ -317,8 +322,10 @@ def _dequantize_np(w: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
     return (w.astype(np.float32) * s).astype(ml_dtypes.bfloat16)
 
 
-def convert(hf_dir: str | Path, out_dir: str | Path, *, experts: str = "fp8", progress: bool = True) -> ConversionStats:
-    """Stream a HF checkpoint into per-group Orbax checkpoints (one tensor read at a time, one group held).
+def convert(hf_dir: str | Path, out_dir: str | Path, *, experts: str = "fp8", codec: str | Path | None = None,
+            progress: bool = True) -> ConversionStats:
+    """Stream a HF checkpoint into per-group Orbax checkpoints (one tensor read at a time, one group held), and the
+    codec (`codec`, else `hf_dir/codec.pth` when present) into `out_dir/codec/`.
 
     experts: "fp8" keeps FP8 weights + fp32 scales; "bf16" dequantises them (W = fp8 * scale per block)."""
     import orbax.checkpoint as ocp
@@ -389,9 +396,16 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, experts: str = "fp8", pr
     for extra_file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (hf_dir / extra_file).exists():
             shutil.copy(hf_dir / extra_file, out / extra_file)
+    codec_path = Path(codec) if codec is not None else hf_dir / "codec.pth"
+    if codec is not None and not codec_path.exists():
+        raise FileNotFoundError(f"codec checkpoint {codec_path} does not exist")
+    if codec_path.exists():
+        from drama3_jax.codec.convert import convert_codec
+
+        convert_codec(codec_path, out)
     with open(out / MANIFEST, "w") as f:
         json.dump({"format_version": FORMAT_VERSION, "experts": experts, "groups": list(groups),
-                   "source": str(hf_dir.absolute())}, f, indent=1)
+                   "codec": codec_path.exists(), "source": str(hf_dir.absolute())}, f, indent=1)
     return stats
 
 

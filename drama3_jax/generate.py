@@ -82,24 +82,82 @@ class RequestSampling:
                    top_k=jnp.asarray([p.top_k for p in params], jnp.int32))
 
 
-def prefill_state(model: Drama3Model, rows, lengths, max_len: int, sampling: RequestSampling,
-                  backends: Backends = Backends()) -> DecodeState:
-    """Teacher-forced prefill of right-padded prompts rows [B, T, 1+K] (lengths [B] >= 2) into fresh caches."""
-    hidden, _, cache = model.teacher_forced(rows, lengths, max_len, backends=backends, compute_heads=False)
-    last = lengths - 1
-    h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
-    row = jnp.take_along_axis(rows, last[:, None, None], axis=1)[:, 0]
-    return DecodeState(cache=cache, h=h, row=row, recent=initial_recent(rows, lengths, RAS_WINDOW),
-                       frame=jnp.zeros_like(lengths), keys=sampling.keys, temperature=sampling.temperature,
-                       top_p=sampling.top_p, top_k=sampling.top_k)
+def prefill_chunk(model: Drama3Model, cache: ModelCache, h_last, rows, next_rows, offset, lengths,
+                  backends: Backends = Backends()):
+    """Prefill one fixed-size chunk of prompt rows into existing caches (any number of chunks per prompt, one
+    compiled shape). rows [B, C, 1+K] = prompt rows offset..offset+C-1, next_rows = rows offset+1..offset+C (the
+    tower's teacher labels); lengths [B] prompt lengths. Backbone takes rows < n, tower rows < n-1. Returns
+    (cache, h_last [B, H]: backbone hidden of row n-1 once it has been seen)."""
+    C = rows.shape[1]
+    n_backbone = jnp.clip(lengths - offset, 0, C).astype(jnp.int32)
+    n_tower = jnp.clip(lengths - 1 - offset, 0, C).astype(jnp.int32)
+    hidden, bcache = model.forward(rows, cache.backbone, n_backbone, backends=backends)
+    _, _, tcache = model.tower(hidden, next_rows[..., 0], rows, cache.tower, n_tower,
+                               lambda i, _: next_rows[..., 2 + i], backends=backends, compute_heads=False)
+    idx = lengths - 1 - offset
+    seen = (idx >= 0) & (idx < C)
+    h = jnp.take_along_axis(hidden, jnp.clip(idx, 0, C - 1)[:, None, None], axis=1)[:, 0]
+    return ModelCache(bcache, tcache), jnp.where(seen[:, None], h.astype(h_last.dtype), h_last)
 
 
-_prefill = nnx.jit(prefill_state, static_argnames=("max_len", "backends"))
+def start_state(cache: ModelCache, h_last, last_row, recent, sampling: RequestSampling) -> DecodeState:
+    """The DecodeState after a full prefill: last prompt row [B, 1+K], RAS window [B, W] from the prompt, frame 0."""
+    return DecodeState(cache=cache, h=h_last, row=last_row, recent=recent,
+                       frame=jnp.zeros(last_row.shape[:1], jnp.int32), keys=sampling.keys,
+                       temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+
+
+class Prefiller:
+    """Chunked prefill of right-padded prompts into fresh caches: prompts of any length (a multiple of `chunk` after
+    padding) run as ceil(T / chunk) calls of one compiled shape per batch size."""
+
+    def __init__(self, model: Drama3Model, max_len: int, chunk: int = 256, backends: Backends = Backends(),
+                 cache_dtype=None):
+        from drama3_jax.model import init_model_cache
+
+        self.graphdef, self.params = nnx.split(model)
+        self.chunk = chunk
+        cfg = model.cfg
+        dtype = cache_dtype or model.lm_head.weight[...].dtype
+        self._init = jax.jit(lambda b: (init_model_cache(cfg, b, max_len, dtype),
+                                        jnp.zeros((b, cfg.text.hidden_size), dtype)), static_argnums=0)
+        donate = (1, 2) if jax.default_backend() != "cpu" else ()
+        self._chunk = jax.jit(lambda p, c, h, r, nr, o, n: prefill_chunk(nnx.merge(self.graphdef, p), c, h, r, nr,
+                                                                         o, n, backends), donate_argnums=donate)
+        self._start = jax.jit(start_state)
+
+    def __call__(self, rows: np.ndarray, lengths: np.ndarray, sampling: RequestSampling) -> DecodeState:
+        """rows [B, T, 1+K] int32 (T a multiple of `chunk`), lengths [B] >= 2. Only fixed-shape pieces ([B, chunk, 1+K]
+        chunks, [B, 1+K] last rows, [B, W] RAS windows) go to the device, so no prompt length compiles anything new."""
+        B, T, K = rows.shape
+        C = self.chunk
+        if T % C:
+            raise ValueError(f"prompt rows must be padded to a multiple of {C}")
+        shifted = np.concatenate([rows[:, 1:], np.zeros((B, 1, K), rows.dtype)], axis=1)
+        cache, h = self._init(B)
+        lengths_d = jnp.asarray(lengths, jnp.int32)
+        for a in range(0, int(np.max(lengths)), C):
+            cache, h = self._chunk(self.params, cache, h, jnp.asarray(rows[:, a:a + C]),
+                                   jnp.asarray(shifted[:, a:a + C]), jnp.int32(a), lengths_d)
+        last_row = rows[np.arange(B), np.asarray(lengths) - 1]
+        return self._start(cache, h, jnp.asarray(last_row), jnp.asarray(initial_recent(rows, lengths, RAS_WINDOW)),
+                           sampling)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _prefiller(model: Drama3Model, max_len: int, backends: Backends) -> Prefiller:
+    """One cached Prefiller per (model, max_len, backends) for the offline API."""
+    key = (id(model), max_len, backends)
+    if key not in _PREFILLERS:
+        _PREFILLERS[key] = Prefiller(model, max_len, chunk=64, backends=backends)
+    return _PREFILLERS[key]
+
+
+_PREFILLERS: dict = {}
 _step = nnx.jit(frame_step, static_argnames=("backends",), donate_argnames=("s",))
-
-
-def _bucket(n: int, base: int = 64) -> int:
-    return max(base, 1 << (n - 1).bit_length())
 
 
 def generate_rows(model: Drama3Model, prompts: Sequence[np.ndarray], params: Sequence[SamplingParams],
@@ -112,13 +170,12 @@ def generate_rows(model: Drama3Model, prompts: Sequence[np.ndarray], params: Seq
     lengths = np.array([len(p) for p in prompts], np.int32)
     if lengths.min() < 2:
         raise ValueError("a prompt needs at least 2 rows")
-    T = _bucket(int(lengths.max()))
-    rows = np.zeros((B, T, model.cfg.row_width), np.int32)
+    max_len = _round_up(int(lengths.max()) + max_new_frames + 1, 256)
+    prefill = _prefiller(model, max_len, backends)
+    rows = np.zeros((B, _round_up(int(lengths.max()), prefill.chunk), model.cfg.row_width), np.int32)
     for i, p in enumerate(prompts):
         rows[i, :len(p)] = p
-    max_len = _bucket(int(lengths.max()) + max_new_frames + 1)
-    state = _prefill(model, jnp.asarray(rows), jnp.asarray(lengths), max_len, RequestSampling.make(params, seeds),
-                     backends=backends)
+    state = prefill(rows, lengths, RequestSampling.make(params, seeds))
     frames = [[] for _ in range(B)]
     done = np.zeros(B, bool)
     eos = model.cfg.eos_token_id
@@ -160,11 +217,10 @@ def generate_iter(model: Drama3Model, tok, text: str, references=(), previous_ta
     sampling.validate(model.cfg.band_size)
     rows = build_prompt(tok, model.cfg, text, references, previous_takes)
     n = len(rows)
-    T = _bucket(n)
-    padded = np.zeros((1, T, model.cfg.row_width), np.int32)
+    prefill = _prefiller(model, _round_up(n + max_new_frames + 1, 256), backends)
+    padded = np.zeros((1, _round_up(n, prefill.chunk), model.cfg.row_width), np.int32)
     padded[0, :n] = rows
-    state = _prefill(model, jnp.asarray(padded), jnp.asarray([n], jnp.int32), _bucket(n + max_new_frames + 1),
-                     RequestSampling.make([sampling], [seed]), backends=backends)
+    state = prefill(padded, np.array([n], np.int32), RequestSampling.make([sampling], [seed]))
     held = None
     for _ in range(max_new_frames):
         row, state = _step(model, state, backends=backends)
@@ -198,7 +254,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if len(args.ref_codes) != len(args.ref_text):
         ap.error("give one --ref-text per --ref-codes")
-    model = drama3_jax.load(args.checkpoint)
+    model = drama3_jax.load_talker(args.checkpoint)
     tok = load_tokenizer(args.checkpoint, model.cfg)
     refs = [(np.load(c), t) for c, t in zip(args.ref_codes, args.ref_text)]
     codes = generate(model, tok, args.text, refs, sampling=SamplingParams(args.temperature, args.top_p, args.top_k),

@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
-    model = drama3_jax.load(args.checkpoint, dtype=jnp.dtype(args.dtype))
+    model = drama3_jax.load_talker(args.checkpoint, dtype=jnp.dtype(args.dtype))
     main_logits, head_logits = teacher_forced_logits(model, np.load(args.rows))
     np.savez(args.out, main_logits=main_logits, head_logits=head_logits)
     print(f"wrote main_logits {main_logits.shape} and head_logits {head_logits.shape} to {args.out}")

@@ -25,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels.sampling import api as _api
 from kernels.sampling.reference import MIN_TEMPERATURE, keep_mask  # noqa: F401  (the rules live in kernels/sampling)
@@ -92,8 +93,10 @@ def push_recent(recent_main, main):
     return jnp.concatenate([recent_main[:, 1:], main[:, None].astype(recent_main.dtype)], axis=1)
 
 
-def initial_recent(rows, lengths, window: int = RAS_WINDOW):
-    """Main tokens of the last `window` prompt rows per sequence (-1 padded). rows [B, T, 1+K], lengths [B]."""
-    idx = lengths[:, None] - window + jnp.arange(window)[None, :]
-    vals = jnp.take_along_axis(rows[..., 0], jnp.clip(idx, 0, rows.shape[1] - 1), axis=1)
-    return jnp.where(idx >= 0, vals, -1).astype(jnp.int32)
+def initial_recent(rows, lengths, window: int = RAS_WINDOW) -> np.ndarray:
+    """Host side: main tokens of the last `window` prompt rows per sequence (-1 padded).
+    rows [B, T, 1+K], lengths [B] -> int32 [B, window]."""
+    rows, lengths = np.asarray(rows), np.asarray(lengths)
+    idx = lengths[:, None] - window + np.arange(window)[None, :]
+    vals = np.take_along_axis(rows[..., 0], np.clip(idx, 0, rows.shape[1] - 1), axis=1)
+    return np.where(idx >= 0, vals, -1).astype(np.int32)

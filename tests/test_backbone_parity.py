@@ -26,7 +26,7 @@ def torch_ref(tiny_hf_dir):
 
 @pytest.fixture(scope="module")
 def jax_fp32(tiny_fp8_dir):
-    return drama3_jax.load(tiny_fp8_dir, dtype=jnp.float32)
+    return drama3_jax.load_talker(tiny_fp8_dir, dtype=jnp.float32)
 
 
 @nnx.jit(static_argnames=("fresh",))
@@ -101,8 +101,8 @@ def test_main_logits_are_the_band_and_eos_rows(jax_fp32, tiny_cfg):
 
 def test_fp8_experts_match_dequantised_bf16_experts(tiny_fp8_dir, tiny_bf16_dir, tiny_cfg):
     """FP8 weights dequantised in the op vs weights dequantised to bf16 at conversion: bf16-level agreement."""
-    fp8 = drama3_jax.load(tiny_fp8_dir, dtype=jnp.float32)
-    bf16 = drama3_jax.load(tiny_bf16_dir, dtype=jnp.float32)
+    fp8 = drama3_jax.load_talker(tiny_fp8_dir, dtype=jnp.float32)
+    bf16 = drama3_jax.load_talker(tiny_bf16_dir, dtype=jnp.float32)
     assert fp8.model.language_model.layers[0].mlp.experts.gate_proj.weight[...].dtype == jnp.float8_e4m3fn
     assert bf16.model.language_model.layers[0].mlp.experts.gate_proj.weight_scale_inv is None
     rows = random_rows(tiny_cfg, 2, 24, seed=5, semantic_from=8)
@@ -118,7 +118,7 @@ def test_bf16_compute_no_worse_than_reference_bf16(tiny_fp8_dir, tiny_hf_dir, to
     deviation of transformers' own bf16 run. (Max errors are dominated by top-k routing flips, so the bound is
     relative to the reference's, not an absolute tolerance.)"""
     rows = random_rows(tiny_cfg, 2, 24, seed=6, semantic_from=8)
-    ours, _ = jax_logits(drama3_jax.load(tiny_fp8_dir), rows, [24, 24], dtype=jnp.bfloat16)
+    ours, _ = jax_logits(drama3_jax.load_talker(tiny_fp8_dir), rows, [24, 24], dtype=jnp.bfloat16)
     t_rows = torch.from_numpy(rows).long()
     ref32 = torch_ref.logits(t_rows).numpy()
     ref16 = TorchBackbone(tiny_hf_dir, dtype=torch.bfloat16).logits(t_rows).numpy()

@@ -75,7 +75,7 @@ def test_block_fp8_quantise_dequantise(shape):
 
 
 def test_converter_round_trip(tiny_hf_dir, tiny_fp8_dir, tiny_cfg):
-    model = drama3_jax.load(tiny_fp8_dir)
+    model = drama3_jax.load_talker(tiny_fp8_dir)
     state = {jax.tree_util.keystr(k): v for k, v in
              jax.tree_util.tree_flatten_with_path(nnx_pure(model))[0]}
     r = CheckpointReader(tiny_hf_dir)

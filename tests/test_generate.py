@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import drama3_jax
-from drama3_jax.generate import RequestSampling, _prefill, _step, generate, generate_iter, generate_rows
+from drama3_jax.generate import Prefiller, RequestSampling, _step, generate, generate_iter, generate_rows
 from drama3_jax.parity import teacher_forced_logits
 from drama3_jax.prompt import build_prompt
 from drama3_jax.sampling import SamplingParams
@@ -19,7 +19,7 @@ from drama3_jax.tokenizer import load_tokenizer
 
 @pytest.fixture(scope="module")
 def model(tiny_fp8_dir):
-    return drama3_jax.load(tiny_fp8_dir, dtype=jnp.float32)
+    return drama3_jax.load_talker(tiny_fp8_dir, dtype=jnp.float32)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def test_generate_is_deterministic_for_a_seed_and_stops_at_the_cap(model, tok):
 def test_stops_on_eos_and_drops_semantic0_before_eos(tiny_fp8_dir, tok):
     """A model rigged so each step's main token is <|semantic:0|> or EOS (decided by the sign of one hidden unit):
     generation returns the raw frames up to EOS, minus the <|semantic:0|> frame right before it."""
-    m = drama3_jax.load(tiny_fp8_dir, dtype=jnp.float32)
+    m = drama3_jax.load_talker(tiny_fp8_dir, dtype=jnp.float32)
     cfg = m.cfg
     H = cfg.text.hidden_size
     g = np.full(H, -1.0, np.float32)
@@ -63,8 +63,8 @@ def test_stops_on_eos_and_drops_semantic0_before_eos(tiny_fp8_dir, tok):
     params, seed, cap = SamplingParams(temperature=1e-6), 0, 16
     out = generate_rows(m, [rows], [params], [seed], max_new_frames=cap)[0]
     # replay the raw decode loop
-    state = _prefill(m, jnp.asarray(np.pad(rows, ((0, 64 - len(rows)), (0, 0)))[None]),
-                     jnp.asarray([len(rows)], jnp.int32), 64, RequestSampling.make([params], [seed]))
+    state = Prefiller(m, max_len=64, chunk=32)(np.pad(rows, ((0, 64 - len(rows)), (0, 0)))[None],
+                                               np.array([len(rows)], np.int32), RequestSampling.make([params], [seed]))
     raw = []
     for _ in range(cap):
         row, state = _step(m, state)

@@ -18,7 +18,7 @@ from tests.test_backbone_parity import rel_err
 
 @pytest.fixture(scope="module")
 def model(tiny_fp8_dir):
-    return drama3_jax.load(tiny_fp8_dir, dtype=jnp.float32)
+    return drama3_jax.load_talker(tiny_fp8_dir, dtype=jnp.float32)
 
 
 @nnx.jit(static_argnames=("max_len",))

@@ -1,0 +1,465 @@
+"""Continuous-batching engine: a fixed pool of slots advanced together, one jitted step per host round trip.
+
+Device state: one `DecodeState` for all S slots (backbone + tower caches [S, max_len, ...], GDN states, last hidden
+state, last row, RAS window, per-request keys and sampling values) and one codec streaming state [S, ...]. Both are
+created once and donated to every step. A request owns a slot from prefill to its last frame.
+
+One iteration of the engine thread:
+  1. admit: if the admission policy says so, prefill a batch of queued prompts (bucketed: batch sizes and prompt
+     lengths from small static sets) and scatter them into free slots;
+  2. decode: `frames_per_step` frames for every slot in one jitted call (inactive slots compute and are ignored);
+  3. host bookkeeping: stop rules (EOS, frame cap, forced length, cancellation), one-frame hold-back for the
+     semantic-0-before-EOS rule, long-text chunk hand-over;
+  4. codec: one batched streaming-decode call for the slots whose pending frames reached their chunk size
+     (a small first chunk for time-to-first-audio, larger ones after), PCM pushed to each request's queue.
+Only this module knows about slots, queues and time; the math is `drama3_jax.generate.frame_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from drama3_jax.backbone import Backends
+from drama3_jax.generate import DecodeState, Prefiller, RequestSampling, frame_step
+from drama3_jax.model import Drama3Model
+from drama3_jax.prompt import build_prompt, history_for_chunk
+from drama3_jax.sampling import SamplingParams
+from serving.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_streams: int = 128
+    max_queue: int = 1024
+    max_prompt_rows: int = 2048
+    max_new_tokens: int = 2048  # frame cap per chunk of text
+    frames_per_step: int = 1  # decode frames per host round trip
+    prefill_batch_sizes: tuple[int, ...] = (1, 4)
+    prefill_chunk: int = 256  # prompt rows per prefill call (one compiled shape per batch size)
+    # admission policy: below `prefill_busy_streams` running streams admit at once; above it wait until
+    # `prefill_min_batch` requests are queued or the oldest has waited `prefill_max_wait_ms`
+    prefill_busy_streams: int = 32
+    prefill_min_batch: int = 6
+    prefill_max_wait_ms: float = 100.0
+    codec_first_chunk: int = 4  # frames in a stream's first audio chunk
+    codec_chunk: int = 16  # frames in later chunks
+    benchmark_mode: bool = False
+    backends: Backends = Backends()
+    dtype: str = "bfloat16"
+
+    @property
+    def max_len(self) -> int:
+        """Cache rows per slot: a prompt, its frames, and the frames a multi-frame step may run past a stop."""
+        return self.max_prompt_rows + self.max_new_tokens + self.frames_per_step + 1
+
+    encode_bucket_frames: int = 224  # reference audio is encoded in multiples of this many frames (~10.4 s)
+    max_reference_frames: int = 672  # ~31 s
+
+    @property
+    def codec_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted({self.codec_first_chunk, self.codec_chunk}))
+
+    @property
+    def encode_buckets(self) -> tuple[int, ...]:
+        n = -(-self.max_reference_frames // self.encode_bucket_frames)
+        return tuple(self.encode_bucket_frames * (i + 1) for i in range(n))
+
+
+@dataclasses.dataclass
+class Request:
+    """One speech request. `sink(kind, payload)` receives ("audio", pcm float32 array) / ("done", usage) /
+    ("error", message) from the engine thread."""
+
+    chunks: list[str]
+    references: list[tuple[np.ndarray, str]]
+    previous_takes: list[tuple[str, np.ndarray]]
+    sampling: SamplingParams
+    seed: int
+    max_frames: int
+    sink: Callable[[str, Any], None]
+    ignore_eos: bool = False
+    forced_frames: int | None = None
+    id: str = ""
+    prompt: np.ndarray | None = None  # rows of the current chunk
+    t_arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    t_first_audio: float | None = None
+    cancelled: bool = False
+    finished: bool = False
+    chunk_index: int = 0
+    takes: list = dataclasses.field(default_factory=list)  # (text, codes) of finished chunks
+    frames: list = dataclasses.field(default_factory=list)  # frames [K] of the current chunk
+    held: np.ndarray | None = None
+    pending: list = dataclasses.field(default_factory=list)  # frames waiting for the codec
+    audio_frames: int = 0
+    prompt_rows: int = 0
+    slot: int = -1
+    chunk_done: bool = False  # the current chunk has ended; its pending frames are being flushed
+    needs_prefill: bool = False  # holds its slot while the next chunk's prompt waits for prefill
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Engine:
+    def __init__(self, model: Drama3Model, tokenizer, codec, cfg: EngineConfig, metrics: Metrics | None = None):
+        self.model_cfg = model.cfg
+        self.tok = tokenizer
+        self.codec = codec
+        self.cfg = cfg
+        self.metrics = metrics or Metrics()
+        self.graphdef, self.params = nnx.split(model)
+        S = cfg.max_streams
+        backends = cfg.backends
+
+        def insert(pool, new, slots):
+            return jax.tree.map(lambda p, n: p.at[slots].set(n.astype(p.dtype), mode="drop"), pool, new)
+
+        def step(params, pool):
+            model = nnx.merge(self.graphdef, params)
+
+            def body(s, _):
+                row, s = frame_step(model, s, backends)
+                return s, row
+
+            pool, rows = jax.lax.scan(body, pool, None, length=cfg.frames_per_step)
+            return rows, pool
+
+        donate = jax.default_backend() != "cpu"
+        self.prefiller = Prefiller(model, cfg.max_len, cfg.prefill_chunk, backends)
+        self._insert = jax.jit(insert, donate_argnums=(0,) if donate else ())
+        self._step = jax.jit(step, donate_argnums=(1,) if donate else ())
+        self.pool: DecodeState | None = None
+        self.codec_state = None
+        self.slots: list[Request | None] = [None] * S
+        self.waiting: deque[Request] = deque()
+        self.continuations: deque[Request] = deque()
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stop_flag = threading.Event()
+        self.draining = False
+        self.dead: str | None = None
+        self.ready = False
+        self.thread: threading.Thread | None = None
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def warm_up(self) -> float:
+        """Allocate the pools and compile every static shape the loop can use. Returns seconds spent."""
+        t0 = time.perf_counter()
+        S, K = self.cfg.max_streams, self.model_cfg.row_width
+        self.pool = self._empty_pool()
+        self.codec_state = self.codec.init_state(S)
+        t_part = time.perf_counter()
+        for b in self.cfg.prefill_batch_sizes:
+            rows = np.zeros((b, self.cfg.prefill_chunk, K), np.int32)
+            rows[:, :, 0] = self.model_cfg.eos_token_id
+            new = self.prefiller(rows, np.full((b,), 2, np.int32),
+                                 RequestSampling.make([SamplingParams()] * b, list(range(b))))
+            self.pool = self._insert(self.pool, new, jnp.asarray(np.full((b,), S, np.int32)))  # all dropped
+        log.info("warm-up: prefill compiled in %.1f s", time.perf_counter() - t_part)
+        t_part = time.perf_counter()
+        rows, self.pool = self._step(self.params, self.pool)
+        jax.block_until_ready(rows)
+        log.info("warm-up: decode step compiled in %.1f s", time.perf_counter() - t_part)
+        t_part = time.perf_counter()
+        for T in self.cfg.codec_buckets:
+            codes = jnp.asarray(np.zeros((S, self.model_cfg.num_codebooks, T), np.int32))  # the serving path
+            audio, self.codec_state = self.codec.step(self.codec_state, codes, np.zeros(S, np.int32))
+            jax.block_until_ready(audio)
+        self.codec_state = self.codec.reset(self.codec_state, np.ones(S, bool))
+        self.codec.BUCKET_FRAMES = self.cfg.encode_bucket_frames  # reference encodes pad to these buckets
+        for n in self.cfg.encode_buckets:
+            self.codec.encode(np.zeros(n * self.codec.frame_length, np.float32), self.codec.cfg.sample_rate)
+        log.info("warm-up: codec steps %s and reference encodes %s compiled in %.1f s", self.cfg.codec_buckets,
+                 self.cfg.encode_buckets, time.perf_counter() - t_part)
+        dt = time.perf_counter() - t0
+        self.metrics.compile_seconds.set(dt)
+        self.ready = True
+        return dt
+
+    def _empty_pool(self) -> DecodeState:
+        S, K = self.cfg.max_streams, self.model_cfg.row_width
+        rows = np.zeros((1, self.cfg.prefill_chunk, K), np.int32)
+        one = jax.eval_shape(lambda: self.prefiller(rows, np.full((1,), 2, np.int32),
+                                                    RequestSampling.make([SamplingParams()], [0])))
+        return jax.tree.map(lambda x: jnp.zeros((S,) + x.shape[1:], x.dtype), one)
+
+    def start(self):
+        if not self.ready:
+            self.warm_up()
+        self.thread = threading.Thread(target=self._run, name="drama3-engine", daemon=True)
+        self.thread.start()
+
+    def shutdown(self, drain_timeout: float = 10.0):
+        """Stop admitting; let running streams finish for up to `drain_timeout` s; cancel the rest."""
+        self.draining = True
+        deadline = time.perf_counter() + drain_timeout
+        while time.perf_counter() < deadline and (self.active_count() or self.waiting or self.continuations):
+            time.sleep(0.02)
+        with self.lock:
+            for r in list(self.waiting) + [r for r in self.slots if r is not None]:
+                r.cancelled = True
+                r.sink("error", "server shutting down")
+            self.waiting.clear()
+        self.stop_flag.set()
+        self.wake.set()
+        if self.thread:
+            self.thread.join(timeout=30)
+
+    # ------------------------------------------------------------------------------------------ requests
+    def submit(self, req: Request) -> Request:
+        if self.dead:
+            raise RuntimeError(f"engine is dead: {self.dead}")
+        if self.draining:
+            raise RuntimeError("server is shutting down")
+        with self.lock:
+            if len(self.waiting) >= self.cfg.max_queue:
+                self.metrics.rejected.inc()
+                raise QueueFull()
+            req.id = req.id or f"req-{next(self._ids)}"
+            req.prompt = self._build_prompt(req)
+            self.waiting.append(req)
+            self.metrics.queue_depth.set(len(self.waiting))
+        self.wake.set()
+        return req
+
+    def cancel(self, req: Request):
+        if not req.finished:
+            req.cancelled = True
+            self.wake.set()
+
+    def active_count(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def _build_prompt(self, req: Request) -> np.ndarray:
+        history = list(req.previous_takes) + history_for_chunk(req.chunk_index, req.takes)
+        rows = build_prompt(self.tok, self.model_cfg, req.chunks[req.chunk_index], req.references, history)
+        if len(rows) > self.cfg.max_prompt_rows:
+            raise ValueError(f"prompt has {len(rows)} rows; this server allows {self.cfg.max_prompt_rows} "
+                             "(shorter references or text)")
+        req.prompt_rows = len(rows)
+        return rows
+
+    # ------------------------------------------------------------------------------------------ loop
+    def _run(self):
+        try:
+            while not self.stop_flag.is_set():
+                self._drop_cancelled_waiting()
+                admitted = self._admit()
+                if self.active_count():
+                    self._decode()
+                elif not admitted:
+                    self.wake.wait(timeout=self._policy_wait() or 0.05)
+                    self.wake.clear()
+        except Exception as e:  # the device is in an unknown state: fail every request, report dead
+            log.exception("engine died")
+            self.dead = repr(e)
+            with self.lock:
+                for r in list(self.waiting) + [r for r in self.slots if r is not None]:
+                    r.sink("error", f"engine failure: {e}")
+                self.waiting.clear()
+
+    def _drop_cancelled_waiting(self):
+        with self.lock:
+            if any(r.cancelled for r in self.waiting):
+                self.waiting = deque(r for r in self.waiting if not r.cancelled)
+                self.metrics.queue_depth.set(len(self.waiting))
+
+    def _policy_wait(self) -> float | None:
+        if not self.waiting:
+            return None
+        age = time.perf_counter() - self.waiting[0].t_arrival
+        return max(0.0, self.cfg.prefill_max_wait_ms / 1e3 - age)
+
+    def _should_admit(self) -> bool:
+        if self.continuations:
+            return True
+        if self.draining:
+            return False
+        free = self.cfg.max_streams - self.active_count()
+        if free == 0 or not self.waiting:
+            return False
+        if self.continuations or self.active_count() < self.cfg.prefill_busy_streams:
+            return True
+        age_ms = (time.perf_counter() - self.waiting[0].t_arrival) * 1e3
+        return len(self.waiting) >= self.cfg.prefill_min_batch or age_ms >= self.cfg.prefill_max_wait_ms
+
+    def _admit(self) -> bool:
+        if not self._should_admit():
+            return False
+        free = [i for i, r in enumerate(self.slots) if r is None]
+        batch: list[Request] = []
+        cap = self.cfg.prefill_batch_sizes[-1]
+        with self.lock:
+            while self.continuations and len(batch) < cap:
+                batch.append(self.continuations.popleft())
+            room = min(cap - len(batch), len(free))
+            while self.waiting and room > 0 and not self.draining:
+                batch.append(self.waiting.popleft())
+                room -= 1
+            self.metrics.queue_depth.set(len(self.waiting))
+        if not batch:
+            return False
+        B = next(b for b in self.cfg.prefill_batch_sizes if b >= len(batch))
+        C = self.cfg.prefill_chunk
+        T = -(-max(len(r.prompt) for r in batch) // C) * C
+        K = self.model_cfg.row_width
+        rows = np.zeros((B, T, K), np.int32)
+        lengths = np.full((B,), 2, np.int32)
+        slot_ids = np.full((B,), self.cfg.max_streams, np.int32)  # padding entries are dropped by the scatter
+        params, seeds = [SamplingParams()] * B, list(range(B))
+        fresh_codec = np.zeros(self.cfg.max_streams, bool)
+        for i, r in enumerate(batch):
+            s = r.slot if r.slot >= 0 else free.pop(0)
+            rows[i, :len(r.prompt)] = r.prompt
+            lengths[i] = len(r.prompt)
+            slot_ids[i] = s
+            params[i], seeds[i] = r.sampling, chunk_seed(r.seed, r.chunk_index)
+            if r.slot < 0:
+                fresh_codec[s] = True
+            r.slot = s
+            r.needs_prefill = False
+            self.slots[s] = r
+        t0 = time.perf_counter()
+        new = self.prefiller(rows, lengths, RequestSampling.make(params, seeds))
+        self.pool = self._insert(self.pool, new, jnp.asarray(slot_ids))
+        if fresh_codec.any():
+            self.codec_state = self.codec.reset(self.codec_state, fresh_codec)
+        self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+        self.metrics.prefill_batch.observe(len(batch))
+        self.metrics.active.set(self.active_count())
+        return True
+
+    def _decode(self):
+        t0 = time.perf_counter()
+        rows, self.pool = self._step(self.params, self.pool)
+        rows = np.asarray(rows)  # [F, S, 1+K]: the one host transfer per step
+        dt = time.perf_counter() - t0
+        self.metrics.step_seconds.observe(dt)
+        eos, sem0 = self.model_cfg.eos_token_id, self.model_cfg.semantic_start_token_id
+        n_frames = 0
+        for s, r in enumerate(self.slots):
+            if r is None:
+                continue
+            if r.cancelled:
+                self._release(s, "cancelled")
+                continue
+            if r.chunk_done or r.needs_prefill:
+                continue
+            for f in range(rows.shape[0]):
+                row = rows[f, s]
+                forced = r.forced_frames is not None
+                limit = r.forced_frames if forced else r.max_frames
+                is_eos = row[0] == eos and not (forced or r.ignore_eos)
+                if is_eos:
+                    if r.held is not None and r.held[0] != sem0:
+                        r.pending.append(r.held[1:])
+                    r.held = None
+                    self._end_chunk(r)
+                    break
+                if r.held is not None:
+                    r.pending.append(r.held[1:])
+                r.held = row
+                r.frames.append(row[1:])
+                n_frames += 1
+                if len(r.frames) >= limit:
+                    r.pending.append(r.held[1:])
+                    r.held = None
+                    self._end_chunk(r)
+                    break
+        self.metrics.frames.inc(n_frames)
+        self._run_codec()
+
+    def _end_chunk(self, r: Request):
+        """The current text chunk is done: queue the next chunk (same slot) or mark the request finished."""
+        codes = np.stack(r.frames, axis=1) if r.frames else np.zeros((self.model_cfg.num_codebooks, 0), np.int32)
+        r.takes.append((r.chunks[r.chunk_index], codes))
+        r.frames = []
+        r.chunk_done = True
+
+    def _run_codec(self):
+        S = self.cfg.max_streams
+        take = np.zeros(S, np.int32)
+        for s, r in enumerate(self.slots):
+            if r is None or not r.pending:
+                continue
+            flushing = r.chunk_done
+            need = self.cfg.codec_first_chunk if r.audio_frames == 0 else self.cfg.codec_chunk
+            if len(r.pending) >= need or flushing:
+                take[s] = min(len(r.pending), self.cfg.codec_buckets[-1])
+        if take.any():
+            T = next(t for t in self.cfg.codec_buckets if t >= take.max())
+            codes = np.zeros((S, self.model_cfg.num_codebooks, T), np.int32)
+            for s in np.flatnonzero(take):
+                codes[s, :, :take[s]] = np.stack(self.slots[s].pending[:take[s]], axis=1)
+            t0 = time.perf_counter()
+            audio, self.codec_state = self.codec.step(self.codec_state, jnp.asarray(codes), take)
+            audio = np.asarray(audio)
+            self.metrics.codec_seconds.observe(time.perf_counter() - t0)
+            fl = self.codec.frame_length
+            now = time.perf_counter()
+            for s in np.flatnonzero(take):
+                r = self.slots[s]
+                del r.pending[:take[s]]
+                r.audio_frames += int(take[s])
+                if r.t_first_audio is None:
+                    r.t_first_audio = now
+                    self.metrics.ttfa_seconds.observe(now - r.t_arrival)
+                r.sink("audio", audio[s, :take[s] * fl])
+        for s, r in enumerate(self.slots):
+            if r is None or not r.chunk_done or r.pending:
+                continue
+            r.chunk_done = False
+            if r.chunk_index + 1 == len(r.chunks):
+                self._release(s, "done")
+                continue
+            r.chunk_index += 1  # next chunk of a long text: same slot, same codec stream
+            try:
+                r.prompt = self._build_prompt(r)
+            except ValueError as e:
+                r.sink("error", str(e))
+                self._release(s, "error")
+                continue
+            r.needs_prefill = True
+            with self.lock:
+                self.continuations.append(r)
+
+    def _release(self, s: int, status: str):
+        r = self.slots[s]
+        self.slots[s] = None
+        if r is None:
+            return
+        r.finished = True
+        self.metrics.requests.labels(status=status).inc()
+        self.metrics.active.set(self.active_count())
+        if status == "done":
+            frames = sum(c.shape[1] for _, c in r.takes)
+            self.metrics.audio_seconds.inc(frames * self.codec.frame_length / self.codec.cfg.sample_rate)
+            r.sink("done", {"input_tokens": r.prompt_rows, "output_tokens": frames,
+                            "total_tokens": r.prompt_rows + frames})
+
+
+def new_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+
+
+def chunk_seed(seed: int, chunk_index: int) -> int:
+    """Seed of text chunk i of a request (the same rule as `drama3_jax.generate.generate`: seed + i)."""
+    return (seed + chunk_index) & 0x7FFFFFFF

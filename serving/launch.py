@@ -1,0 +1,146 @@
+"""Start the Drama 3 speech server.
+
+    python -m serving.launch                                   # embedded tiny random model (smoke test, CPU ok)
+    python -m serving.launch --checkpoint /path/to/drama-3-orbax --max-streams 128
+
+With no checkpoint the server builds a tiny random-weight model deterministically at start-up (no download): the
+whole pipeline works, the audio is noise. The log and /v1/models say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("serving")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", help="converted checkpoint directory (scripts/convert_checkpoint.py)")
+    ap.add_argument("--random-weights", choices=["tiny"], default="tiny",
+                    help="model to build when no checkpoint is given")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--served-model-name", default="drama-3")
+    ap.add_argument("--max-streams", type=int, default=128, help="decode slots (concurrent streams)")
+    ap.add_argument("--max-queue", type=int, default=1024, help="queued requests before 429")
+    ap.add_argument("--max-new-tokens", type=int, default=2048, help="frame cap per request (per text chunk)")
+    ap.add_argument("--max-prompt-rows", type=int, default=2048)
+    ap.add_argument("--max-input-chars", type=int, default=20_000)
+    ap.add_argument("--frames-per-step", type=int, default=1, help="decode frames per host round trip")
+    ap.add_argument("--prefill-batch-sizes", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt rows per prefill call")
+    ap.add_argument("--prefill-busy-streams", type=int, default=32)
+    ap.add_argument("--prefill-min-batch", type=int, default=6)
+    ap.add_argument("--prefill-max-wait-ms", type=float, default=100.0)
+    ap.add_argument("--codec-first-chunk", type=int, default=4, help="frames in a stream's first audio chunk")
+    ap.add_argument("--codec-chunk", type=int, default=16, help="frames in later audio chunks")
+    ap.add_argument("--voices-dir", default=None, help="where uploaded voices are stored (default: a temp dir)")
+    ap.add_argument("--allowed-local-media-path", default=None, help="directory file:// references may read")
+    ap.add_argument("--benchmark-mode", action="store_true", help="accept ignore_eos / forced_frames")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--compilation-cache", default=str(Path.home() / ".cache" / "drama3-jax" / "xla"),
+                    help="persistent XLA compilation cache directory ('' disables)")
+    ap.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain streams on SIGTERM")
+    ap.add_argument("--log-level", default="info")
+    return ap
+
+
+def tiny_random_parts(dtype):
+    """The embedded smoke-test model: tiny random talker (written in the real layout, converted, loaded), tokenizer,
+    and a tiny random codec built in memory. Deterministic."""
+    from drama3_jax.checkpoint import convert, load_model, write_random_checkpoint
+    from drama3_jax.codec import Codec, random_codec, tiny_codec_config
+    from drama3_jax.config import tiny_config
+    from drama3_jax.tokenizer import load_tokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="drama3-tiny-"))
+    write_random_checkpoint(tiny_config(), tmp / "hf", seed=0)
+    convert(tmp / "hf", tmp / "orbax", progress=False)
+    talker = load_model(tmp / "orbax", dtype=dtype)
+    return talker, load_tokenizer(tmp / "orbax", talker.cfg), Codec(random_codec(tiny_codec_config(), seed=0))
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import jax
+    import jax.numpy as jnp
+
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    import uvicorn
+
+    from serving.api import ServerState, create_app
+    from serving.engine import Engine, EngineConfig
+    from serving.metrics import Metrics
+    from serving.references import ReferenceResolver
+    from serving.voices import VoiceStore
+
+    metrics = Metrics()
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _d, **_k: metrics.compilations.inc() if event == "/jax/core/compile/backend_compile_duration"
+        else None)
+    dtype = jnp.dtype(args.dtype)
+    t0 = time.perf_counter()
+    if args.checkpoint:
+        import drama3_jax
+
+        parts = drama3_jax.load(args.checkpoint, dtype=dtype, codec_dtype=dtype)
+        if parts.codec is None or parts.tokenizer is None:
+            raise SystemExit(f"{args.checkpoint} lacks the codec or tokenizer.json; convert with the codec "
+                             "(--codec PATH) and keep tokenizer.json beside config.json")
+        talker, tok, codec = parts.talker, parts.tokenizer, parts.codec
+        description = f"Fish Audio Drama 3 ({args.checkpoint})"
+    else:
+        talker, tok, codec = tiny_random_parts(dtype)
+        description = "TINY RANDOM-WEIGHT SMOKE-TEST MODEL (no checkpoint given): the audio is noise"
+        log.warning("no --checkpoint: serving an embedded tiny random-weight model; its audio is noise")
+    log.info("model ready in %.1f s", time.perf_counter() - t0)
+    cfg = EngineConfig(max_streams=args.max_streams, max_queue=args.max_queue, max_prompt_rows=args.max_prompt_rows,
+                       max_new_tokens=args.max_new_tokens, frames_per_step=args.frames_per_step,
+                       prefill_batch_sizes=tuple(sorted(args.prefill_batch_sizes)), prefill_chunk=args.prefill_chunk,
+                       prefill_busy_streams=args.prefill_busy_streams, prefill_min_batch=args.prefill_min_batch,
+                       prefill_max_wait_ms=args.prefill_max_wait_ms, codec_first_chunk=args.codec_first_chunk,
+                       codec_chunk=args.codec_chunk, benchmark_mode=args.benchmark_mode, dtype=args.dtype)
+    engine = Engine(talker, tok, codec, cfg, metrics)
+    voices = VoiceStore(args.voices_dir or tempfile.mkdtemp(prefix="drama3-voices-"))
+    state = ServerState(engine=engine, resolver=ReferenceResolver(codec, talker.cfg, args.allowed_local_media_path),
+                        voices=voices, served_model_name=args.served_model_name, model_description=description,
+                        max_input_chars=args.max_input_chars, benchmark_mode=args.benchmark_mode,
+                        api_key=args.api_key)
+    app = create_app(state)
+    log.info("compiling prefill (batch sizes %s, %d-row chunks), the decode step and the codec ...",
+             cfg.prefill_batch_sizes, cfg.prefill_chunk)
+    dt = engine.warm_up()
+    log.info("warm-up (compilation) took %.1f s", dt)
+    engine.start()
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.shutdown_timeout + 5))
+    stop_original = server.handle_exit
+
+    def on_signal(sig, frame):  # SIGTERM/SIGINT: readiness 503, drain streams, then stop uvicorn
+        log.info("signal %s: draining for up to %.0f s", sig, args.shutdown_timeout)
+
+        def drain():
+            engine.shutdown(args.shutdown_timeout)
+            stop_original(sig, frame)
+
+        threading.Thread(target=drain, daemon=True).start()
+
+    server.handle_exit = on_signal
+    log.info("serving %s on http://%s:%d", args.served_model_name, args.host, args.port)
+    server.run()
+    if not engine.stop_flag.is_set():
+        engine.shutdown(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Prometheus metrics of the server and engine (exposed at GET /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+_STEP = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.queue_depth = Gauge("drama3_queue_depth", "requests waiting for a slot", registry=r)
+        self.active = Gauge("drama3_active_streams", "streams holding a slot", registry=r)
+        self.requests = Counter("drama3_requests", "finished requests by status", ["status"], registry=r)
+        self.rejected = Counter("drama3_rejected", "requests rejected because the queue was full", registry=r)
+        self.frames = Counter("drama3_generated_frames", "audio frames generated", registry=r)
+        self.audio_seconds = Counter("drama3_audio_seconds", "seconds of audio delivered", registry=r)
+        self.ttfa_seconds = Histogram("drama3_time_to_first_audio_seconds", "arrival to first audio chunk",
+                                      buckets=_LATENCY, registry=r)
+        self.step_seconds = Histogram("drama3_decode_step_seconds", "one decode call (all slots)", buckets=_STEP,
+                                      registry=r)
+        self.prefill_seconds = Histogram("drama3_prefill_seconds", "one prefill batch", buckets=_STEP, registry=r)
+        self.prefill_batch = Histogram("drama3_prefill_batch_size", "requests per prefill batch",
+                                       buckets=(1, 2, 4, 8, 16, 32), registry=r)
+        self.codec_seconds = Histogram("drama3_codec_step_seconds", "one streaming codec call", buckets=_STEP,
+                                       registry=r)
+        self.compile_seconds = Gauge("drama3_warmup_compile_seconds", "start-up compilation time", registry=r)
+        self.compilations = Counter("drama3_xla_compilations", "XLA backend compilations in this process",
+                                    registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
