@@ -74,6 +74,26 @@ def make_inputs(jax, jnp, np, B, seed):
                 req=jnp.stack([jax.random.PRNGKey(int(s)) for s in rng.integers(0, 2 ** 31, B)]).astype(jnp.uint32))
 
 
+def make_hard_inputs(jax, jnp, np, B, seed):
+    """Check-only inputs that reach every kernel path: main rows flat (sigma 1: band threshold), peaked with the
+    top-16 tokens in the RAS window (RAS re-draws), tied (logits on a 0.25 grid), top-k 200 (32-step search); head
+    rows alternating plain and tied (0.5 grid)."""
+    rng = np.random.default_rng(seed)
+    inp = make_inputs(jax, jnp, np, B, seed)
+    r = np.arange(B) % 4
+    main = rng.normal(size=(B, BAND + 1)) * np.where(r == 0, 1.0, np.where(r == 1, 5.0, 2.5))[:, None]
+    main[r == 2] = np.round(main[r == 2] * 2) / 4
+    recent = np.asarray(inp["recent"]).copy()
+    top16 = np.argsort(-main[:, :BAND], axis=1)[:, :WINDOW]
+    recent[r == 1] = SEM_START + top16[r == 1]
+    heads = rng.normal(size=(B, HEADS, V_HEAD)) * 2.0
+    heads[:, 1::2] = np.round(heads[:, 1::2] * 2) / 2
+    inp.update(main=jnp.asarray(main, jnp.float32), heads=jnp.asarray(heads, jnp.float32),
+               recent=jnp.asarray(recent), top_k=jnp.asarray(np.where(r == 3, 200, 0), jnp.int32),
+               top_p=jnp.asarray(rng.choice([0.9, 0.95, 0.7, 1.0], B), jnp.float32))
+    return inp
+
+
 def build(jax, jnp, variant, **kw):
     """step(inp, frame) -> (main ids [B], head codes [B, 9]) for one variant."""
     from drama3_jax import sampling as S
@@ -160,9 +180,10 @@ def main(argv=None):
     if args.cpu_smoke:
         streams = [2]
 
-    # ---- jobs: (name, B, variant, kw, n)
+    # ---- jobs: (name, B, variant, kw, n), in priority order (B = 128 first, tuning last)
     jobs = []
-    for B in streams:
+    order_B = sorted(streams, key=lambda B: (B != 128, -B))
+    for B in order_B:
         n_ref = max(2, min(20, 2000 // max(B, 1)))
         n_k = 2 if args.cpu_smoke else 50
         jobs += [("reference", B, "reference", {}, 1 if args.cpu_smoke else n_ref),
@@ -171,103 +192,100 @@ def main(argv=None):
                  ("keys_only", B, "keys_only", {}, n_k)]
     if 128 in streams and not args.cpu_smoke:
         for name, kw in [("batched rows_w8", {"rows": {"num_warps": 8}}),
+                         ("batched rows_w8 main_w16", {"rows": {"num_warps": 8}, "main": {"num_warps": 16}}),
                          ("batched rows_w16 main_w16", {"rows": {"num_warps": 16}, "main": {"num_warps": 16}}),
-                         ("batched rows_c32", {"rows": {"cand": 32}}),
-                         ("batched main_w4", {"main": {"num_warps": 4}})]:
+                         ("batched rows_c32", {"rows": {"cand": 32}})]:
             jobs.append((name, 128, "batched", kw, 50))
+    B_chk = 128 if 128 in streams else streams[0]
 
     sets_by_B = {B: tuple(make_inputs(jax, jnp, np, B, seed=1000 * B + s) for s in range(NSETS)) for B in streams}
+    one = lambda B: sets_by_B[B][0]
 
-    # ---- correctness on the device: one step, kernel vs reference, same inputs and keys
-    def check(B, variant, kw):
-        ref = jax.jit(build(jax, jnp, "reference"))
-        ker = jax.jit(build(jax, jnp, variant, **kw))
-        bad_main = bad_heads = 0
-        rows = 0
-        for s, inp in enumerate(sets_by_B[B]):
-            for frame in (3, 977):
-                rm, rh = ref(inp, frame)
-                km, kh = ker(inp, frame)
-                bad_main += int(np.sum(np.asarray(rm) != np.asarray(km)))
-                bad_heads += int(np.sum(np.asarray(rh) != np.asarray(kh)))
-                rows += B
-        return dict(B=B, variant=variant, kw=kw, rows_main=rows, rows_heads=rows * HEADS, mismatch_main=bad_main,
-                    mismatch_heads=bad_heads)
-
-    # ---- compile everything in parallel
-    log(f"device {d.device_kind}; {len(jobs)} timing jobs; compiling with {args.threads} threads")
-    compiled = {}
-
-    def compile_job(j):
+    # ---- compile everything in a thread pool; time each job as soon as it is ready, in priority order
+    def compile_loop(j):
         name, B, variant, kw, n = j
-        f = loop_fn(jax, jnp, build(jax, jnp, variant, **kw), n)
         t = time.time()
-        c = f.lower(sets_by_B[B]).compile()
-        return j, c, time.time() - t
+        c = loop_fn(jax, jnp, build(jax, jnp, variant, **kw), n).lower(sets_by_B[B]).compile()
+        return c, time.time() - t
 
-    with cf.ThreadPoolExecutor(args.threads) as ex:
-        futs = [ex.submit(compile_job, j) for j in jobs]
-        for fu in cf.as_completed(futs):
-            try:
-                j, c, secs = fu.result()
-                compiled[(j[0], j[1])] = (j, c)
-                log(f"compiled {j[0]} B={j[1]} in {secs:.1f}s")
-            except Exception as e:
-                R["errors"].append(f"compile: {type(e).__name__}: {str(e)[:1500]}")
-                log("ERROR compile", type(e).__name__, str(e)[:500])
-    save(args.out)
+    def compile_step(variant, kw, B):
+        t = time.time()
+        c = jax.jit(build(jax, jnp, variant, **kw)).lower(one(B), 3).compile()
+        return c, time.time() - t
 
-    # ---- correctness and path statistics (B = 128 when present, else the first)
-    for B in ([128] if 128 in streams else streams[:1]):
-        for variant in ("batched", "per_head"):
-            if time.time() - T0 > args.budget:
-                break
-            try:
-                R["checks"].append(check(B, variant, smoke_kw))
-                log("check", R["checks"][-1])
-            except Exception as e:
-                R["errors"].append(f"check {variant}: {type(e).__name__}: {str(e)[:1500]}")
-                log("ERROR check", type(e).__name__, str(e)[:500])
-        try:   # which kernel paths the inputs take
-            inp = sets_by_B[B][0]
-            ks = jnp.stack([jax.random.PRNGKey(i) for i in range(B)]).astype(jnp.uint32)
-            _, pm = pallas_triton.sample_main_triton(ks, ks, inp["main"], inp["temperature"], inp["top_p"],
-                                                     inp["top_k"], inp["recent"], semantic_start=SEM_START,
-                                                     eos_token_id=EOS, ras_temperature=1.0, ras_top_k=30,
-                                                     ras_top_p=0.95, return_path=True, **smoke_kw.get("main", {}))
-            hk = jnp.full((B * HEADS,), 30, jnp.int32)
-            _, ph = pallas_triton.sample_filtered_triton(
-                jnp.repeat(ks, HEADS, 0), inp["heads"].reshape(B * HEADS, V_HEAD), jnp.ones((B * HEADS,)),
-                jnp.full((B * HEADS,), 0.9), hk, keep_crossing=False, return_path=True, **smoke_kw.get("rows", {}))
+    log(f"device {d.device_kind}; {len(jobs)} timing jobs; compiling with {args.threads} threads")
+    ex = cf.ThreadPoolExecutor(args.threads)
+    chk_futs = {v: ex.submit(compile_step, v, smoke_kw if v != "reference" else {}, B_chk)
+                for v in ("reference", "batched")}
+    def paths_fn(inp):   # which kernel path each row takes (fresh keys)
+        B = inp["main"].shape[0]
+        ks = jnp.stack([jax.random.PRNGKey(i) for i in range(B)]).astype(jnp.uint32)
+        _, pm = pallas_triton.sample_main_triton(ks, ks, inp["main"], inp["temperature"], inp["top_p"], inp["top_k"],
+                                                 inp["recent"], semantic_start=SEM_START, eos_token_id=EOS,
+                                                 ras_temperature=1.0, ras_top_k=30, ras_top_p=0.95, return_path=True,
+                                                 **smoke_kw.get("main", {}))
+        _, ph = pallas_triton.sample_filtered_triton(
+            jnp.repeat(ks, HEADS, 0), inp["heads"].reshape(B * HEADS, V_HEAD), jnp.repeat(inp["temperature"], HEADS),
+            jnp.full((B * HEADS,), 0.9, jnp.float32), jnp.full((B * HEADS,), 30, jnp.int32), keep_crossing=False,
+            return_path=True, **smoke_kw.get("rows", {}))
+        return pm, ph
+
+    paths_fut = ex.submit(lambda: (jax.jit(paths_fn).lower(one(B_chk)).compile(), 0.0))
+    futs = [(j, ex.submit(compile_loop, j)) for j in jobs]
+    left = lambda: args.budget - (time.time() - T0)
+
+    # correctness on the device: kernel vs reference samples, same inputs and keys, B_chk streams, 8 steps
+    try:
+        cref, s1 = chk_futs["reference"].result(timeout=max(1.0, left()))
+        cker, s2 = chk_futs["batched"].result(timeout=max(1.0, left()))
+        log(f"check steps compiled ({s1:.1f}s, {s2:.1f}s)")
+        bad_m = bad_h = rows = 0
+        for inp in sets_by_B[B_chk] + (make_hard_inputs(jax, jnp, np, B_chk, 77),):
+            for frame in (3, 977):
+                rm, rh = cref(inp, frame)
+                km, kh = cker(inp, frame)
+                bad_m += int(np.sum(np.asarray(rm) != np.asarray(km)))
+                bad_h += int(np.sum(np.asarray(rh) != np.asarray(kh)))
+                rows += B_chk
+        R["checks"].append(dict(B=B_chk, variant="batched", rows_main=rows, rows_heads=rows * HEADS,
+                                mismatch_main=bad_m, mismatch_heads=bad_h))
+        log("check", R["checks"][-1])
+        pfn = paths_fut.result(timeout=max(1.0, left()))[0]
+        for label, inp in (("timing inputs", one(B_chk)), ("hard inputs", make_hard_inputs(jax, jnp, np, B_chk, 77))):
+            pm, ph = pfn(inp)
             pm, ph = np.asarray(pm), np.asarray(ph)
-            R["paths"] = dict(B=B, main_first={int(k): int(v) for k, v in zip(*np.unique(pm & 3, return_counts=True))},
-                              main_ras_ran=int(((pm >> 2) & 1).sum()),
-                              heads={int(k): int(v) for k, v in zip(*np.unique(ph, return_counts=True))})
-            log("paths", R["paths"])
-        except Exception as e:
-            R["errors"].append(f"paths: {type(e).__name__}: {str(e)[:1500]}")
+            R.setdefault("paths", []).append(dict(inputs=label, B=B_chk, main_first={int(k): int(v) for k, v in zip(*np.unique(pm & 3, return_counts=True))},
+                          main_ras={int(k): int(v) for k, v in zip(*np.unique(pm >> 2, return_counts=True))},
+                          main_ras_ran=int(((pm >> 2) & 1).sum()),
+                          heads={int(k): int(v) for k, v in zip(*np.unique(ph, return_counts=True))}))
+            log("paths", R["paths"][-1])
+    except Exception as e:
+        R["errors"].append(f"check: {type(e).__name__}: {str(e)[:1500]}")
+        log("ERROR check", type(e).__name__, str(e)[:800])
     save(args.out)
 
-    # ---- timing
-    order = [j for j in jobs if (j[0], j[1]) in compiled]
-    order.sort(key=lambda j: (0 if j[0] in ("reference", "batched", "per_head", "keys_only") else 1, j[1]))
-    for j in order:
-        if time.time() - T0 > args.budget:
-            R["errors"].append(f"budget reached before timing {j[0]} B={j[1]}")
-            break
+    for j, fu in futs:
         name, B, variant, kw, n = j
+        if left() <= 0:
+            R["errors"].append(f"budget reached before timing {name} B={B}")
+            continue
         try:
-            med, mn = time_compiled(jax, compiled[(name, B)][1], sets_by_B[B], n, 2 if args.cpu_smoke else 5)
-            rec = dict(name=name, B=B, us=med * 1e6, us_min=mn * 1e6, iters=n * NSETS,
+            c, secs = fu.result(timeout=max(1.0, left()))
+            med, mn = time_compiled(jax, c, sets_by_B[B], n, 2 if args.cpu_smoke else 5)
+            rec = dict(name=name, B=B, us=med * 1e6, us_min=mn * 1e6, iters=n * NSETS, compile_s=secs,
                        roofline_us=logit_bytes(B) / HBM_BPS * 1e6)
             (R["tuning"] if name not in ("reference", "batched", "per_head", "keys_only") else R["results"]).append(rec)
-            log(f"{name:28s} B={B:4d} {med * 1e6:9.1f} us (min {mn * 1e6:.1f})")
+            log(f"{name:28s} B={B:4d} {med * 1e6:9.1f} us (min {mn * 1e6:.1f}; compile {secs:.1f}s)")
+        except cf.TimeoutError:
+            R["errors"].append(f"budget reached while compiling {name} B={B}")
         except Exception as e:
-            R["errors"].append(f"time {name} B={B}: {type(e).__name__}: {str(e)[:1500]}")
-            log("ERROR time", name, B, type(e).__name__, str(e)[:500])
+            R["errors"].append(f"{name} B={B}: {type(e).__name__}: {str(e)[:1500]}")
+            log("ERROR", name, B, type(e).__name__, str(e)[:800])
         save(args.out)
     write_md(args.out)
     print_table()
+    sys.stdout.flush()
+    os._exit(0)   # do not wait for compiles still running past the budget
 
 
 def _table_rows():
@@ -303,12 +321,14 @@ def write_md(out):
         lines += ["", "Tuning variants (B = 128, batched):", "", "| variant | µs |", "|---|---|"]
         lines += [f"| {t['name']} | {t['us']:.1f} |" for t in R["tuning"]]
     if R.get("checks"):
-        lines += ["", "Device check, kernel vs reference samples on the same inputs and keys:", ""]
+        lines += ["", "Device check, kernel vs reference samples on the same inputs and keys (the 4 timing sets + one "
+                      "set built to reach every path, 2 frames each):", ""]
         lines += [f"- {c['variant']} B={c['B']}: main {c['mismatch_main']}/{c['rows_main']} mismatches, heads "
                   f"{c['mismatch_heads']}/{c['rows_heads']}" for c in R["checks"]]
     if R.get("paths"):
-        lines += ["", f"Kernel paths taken (0 candidates, 1 full row + band threshold, 2 full row + 32-step search): "
-                      f"{R['paths']}"]
+        lines += ["", "Kernel paths taken (0 candidates, 1 full row without a 32-step search, 2 full row with one; "
+                      "main_ras: flags >> 2, 0 = no RAS draw, 1 + 2 * path = RAS draw on that path):", ""]
+        lines += [f"- {p}" for p in R["paths"]]
     if R["errors"]:
         lines += ["", "Errors:", ""] + [f"- {e[:300]}" for e in R["errors"]]
     with open(os.path.join(out, "sampling_bench.md"), "w") as f:

@@ -24,7 +24,8 @@ a power of two; padding lanes are -inf and never kept). Per draw:
      mass(z >= hi) < top_p - 1e-5, every token >= hi is kept and the band tokens are decided pairwise on top of that
      mass (path 1); otherwise a binary search over the order-preserving int32 image of z (32 fixed steps, one masked
      mass reduction each: the smallest t where the mass strictly above t (crossing) / at-or-above t (standard) drops
-     below top_p). Top-k: the same search for the largest t with #{key >= t} >= k (path 2 when either search ran).
+     below top_p). Top-k: the same search for the largest t with #{key >= t} >= k (path 2 when either search ran,
+     else path 1).
   The winner is argmax over kept tokens of z + G, lowest index on ties (as jnp.argmax).
 
 `sample_main_triton` fuses the main token's two draws (RAS): the first draw with the request's parameters; when it is
@@ -151,8 +152,8 @@ def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, s
           NB: int, interpret: bool, load_z, RC: int):
     """One filtered Gumbel-max draw from the [R, G] tile z (already temperature-scaled). load_z(r0) reloads tile rows
     [r0, r0 + RC) of z (the full-row noise is drawn in such chunks, to bound the registers the hash needs).
-    Returns (index, path): path 0 = candidate fast path, 1 = full row with the top-p threshold from the bisection
-    band, 2 = full row with a 32-step threshold search."""
+    Returns (index, path): path 0 = candidate fast path, 1 = full row without a 32-step search (top-p threshold
+    from the bisection band, or no threshold), 2 = full row with a 32-step threshold search."""
     zv = jnp.where(valid, z, NEG_INF)
     m = jnp.max(zv)
     e = jnp.where(valid, jnp.exp(zv - m), 0.0)
@@ -257,7 +258,7 @@ def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, s
 
         R = z.shape[0]
         _, out = jax.lax.fori_loop(0, R // RC, noise_chunk, (jnp.minimum(m, NEG_INF), kmin - kmin))
-        path = 2 - (use_tp & band_ok & jnp.logical_not(use_tk)).astype(i32)
+        path = 1 + (use_tk | (use_tp & jnp.logical_not(band_ok))).astype(i32)
         return out, path
 
     return jax.lax.cond(n_c <= C, fast, slow)
@@ -356,8 +357,8 @@ def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_cros
                            noise_rows=None):
     """One filtered Gumbel-max draw per row (see reference.sample_filtered). keys [B, 2] uint32 raw keys; logits [B, V]
     (any float dtype; read once); temperature, top_p [B] float; top_k [B] int. Returns int32 [B] (and, with
-    return_path, the path per row, int32 [B]: 0 candidates, 1 full row with the band threshold, 2 full row with a
-    32-step threshold search)."""
+    return_path, the path per row, int32 [B]: 0 candidates, 1 full row without a 32-step search, 2 full row with
+    one)."""
     cfg = _params("rows", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
                                noise_rows=noise_rows))
     B, V = logits.shape
@@ -380,8 +381,8 @@ def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, r
                        interpret: bool = False, return_path: bool = False, num_warps=None, groups=None, cand=None,
                        p_bisect=None, noise_rows=None):
     """Main token with RAS in one launch (see reference.sample_main). recent_main [B, W] int32 (padded with -1 to a
-    power of two). With return_path: flags [B] int32: bits 0-1 the first draw's path (0 candidates, 1 full row with
-    the band threshold, 2 full row with a 32-step search), bit 2 the RAS draw ran, bits 3-4 its path."""
+    power of two). With return_path: flags [B] int32: bits 0-1 the first draw's path (0 candidates, 1 full row without
+    a 32-step search, 2 full row with one), bit 2 the RAS draw ran, bits 3-4 its path."""
     cfg = _params("main", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
                                noise_rows=noise_rows))
     B, V = band_logits.shape

@@ -111,7 +111,7 @@ def test_rows_kernel_equals_reference_both_modes_both_paths():
         want = _ref_rows_fn(crossing)(keys, logits, T, P, K)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         seen_paths |= set(np.asarray(path).tolist())
-    assert seen_paths == {0, 1, 2}, seen_paths     # candidates, full row with band threshold, full row with search
+    assert seen_paths == {0, 1, 2}, seen_paths     # candidates, full row without / with a 32-step search
 
 
 def test_main_kernel_full_band_equals_reference():
@@ -137,6 +137,7 @@ def test_main_kernel_full_band_equals_reference():
     path = np.asarray(path)
     assert path[5] & 4                                  # RAS re-draw ran (and matched)
     assert {0, 1, 2} <= set((path & 3).tolist()), path  # all three paths of the first draw were used
+    assert (path[:2] & 3 == 1).all()   # flat rows, top-p 0.9, no top-k: exact threshold from the bisection band
 
 
 def test_main_token_ras_through_drama3_sampling():
