@@ -60,3 +60,13 @@ def test_full_encode_matches_fish(full_pair):
     ref = fish_encode(fish, audio[None])[0]
     assert ours.shape == (10, 134)
     assert_codes_match(codec, audio, ours, ref)
+
+
+def test_near_tie_rule_rejects_real_differences(tiny_codec):
+    """The code comparison only forgives near-ties: a code changed to another row fails it."""
+    audio = random_speech(4410, seed=15)
+    ours = tiny_codec.encode(audio, 44100)
+    other = ours.copy()
+    other[3, 1] = (other[3, 1] + 1) % 48
+    with pytest.raises(AssertionError, match="frame 1 codebook 3"):
+        assert_codes_match(tiny_codec, audio, ours, other)
