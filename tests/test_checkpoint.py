@@ -147,3 +147,26 @@ def test_converter_memory_stays_bounded(tmp_path):
     assert g8 == g16
     assert p16 - p8 < 0.2 * (t16 - t8)
     assert p16 < t16 / 3
+
+
+def test_one_directory_holds_all_three_parts(tmp_path, tiny_cfg):
+    """make_tiny_checkpoint + convert_checkpoint CLIs: talker, codec and tokenizer come back from drama3_jax.load."""
+    import subprocess
+    import sys
+
+    from drama3_jax.generate import generate
+
+    hf, out = tmp_path / "hf", tmp_path / "orbax"
+    run = lambda *a: subprocess.run([sys.executable, "-m", *a], check=True, capture_output=True, text=True)
+    run("scripts.make_tiny_checkpoint", "--out", str(hf), "--seed", "3")
+    assert (hf / "codec.pth").exists() and (hf / "tokenizer.json").exists()
+    assert "converted" in run("scripts.convert_checkpoint", "--hf-dir", str(hf), "--out", str(out)).stdout
+    tts = drama3_jax.load(out)
+    assert tts.cfg == tiny_cfg and tts.codec is not None and tts.tokenizer is not None
+    codes = generate(tts.talker, tts.tokenizer, "All three parts.", seed=0, max_new_frames=6)
+    codes = np.minimum(codes, np.array(tts.codec.cfg.codebook_sizes)[:, None] - 1)
+    audio = tts.codec.decode(codes)
+    assert audio.shape == (codes.shape[1] * tts.codec.frame_length,) and np.isfinite(audio).all()
+    bad = subprocess.run([sys.executable, "-m", "scripts.convert_checkpoint", "--hf-dir", str(hf), "--out",
+                          str(tmp_path / "x"), "--codec", str(tmp_path / "missing.pth")], capture_output=True, text=True)
+    assert bad.returncode == 1 and "missing.pth" in bad.stderr
