@@ -1,28 +1,33 @@
 """Gated DeltaNet Pallas kernels, Triton lowering (`pl.pallas_call` + `plt.CompilerParams`), for the H200.
 
-Two kernels families, same math as `reference.py` (see its docstring for shapes and the recurrence):
+Two kernel families, same math as `reference.py` (see its docstring for shapes and the recurrence):
 
 * `gdn_decode_step_triton` - one token per stream, all streams at once, fully fused: causal conv1d state update
   (kernel K) + SiLU on the q/k/v channels, beta/decay from the raw a/b projections, q/k L2 norm, delta-rule update,
   output. Grid (stream, key head): one program owns the conv channels of its key head (q and k) and of the `rep`
-  value heads that share it, so each conv-state element and each state tile is read once and written once by one
-  program, in place in the slot pools (`input_output_aliases`; donate the pools at the outer `jax.jit` so XLA does
-  not copy them). The state is walked in [D_k, bv] tiles with the next tile's load issued before the current
-  tile's store (a hand-made 2-stage pipeline). Design after vLLM's `fused_sigmoid_gating_delta_rule_update`
+  value heads that share it, so each state tile is read once and written once, and each conv-state channel is
+  owned, by one program, in place in the slot pools (`input_output_aliases`; donate the pools at the outer
+  `jax.jit` so XLA does not copy them). The state is walked in [D_k, bv] tiles with the next tile's load issued
+  before the current tile's store (a hand-made 2-stage pipeline). The conv shift is written last, between two
+  barriers (threads holding replicated copies of a channel must all have read the old rows; an H200 run without
+  them gave wrong results for some tunings). Design after vLLM's `fused_sigmoid_gating_delta_rule_update`
   (one program per (stream, value-head, V-slice), state read/written in place at the slot index), here fused
   further with the conv1d update.
 
 * `gated_delta_chunk_prefill_triton` - chunked prefill (chunk 64, WY/UT form) for a right-padded batch with
-  per-sequence lengths, initial state in, final state out, q/k L2 norm fused. Two launches:
-    1. `_prep_kernel`, parallel over (sequence, value head, chunk): L2 norm, chunk-local cumsum of the log decay,
-       A = strictly-lower(beta K K^T * decay) in 16x16 blocks, (I + A)^-1 by forward substitution of the four
-       diagonal 16x16 blocks and block merges (FLA `solve_tril` idea), then w = (I+A)^-1 (beta e^g k),
-       u = (I+A)^-1 (beta v) and the masked intra-chunk scores Aqk = tril(q k^T * decay).
-    2. `_state_kernel`, grid (sequence, value head, D_v slice): walks the chunks sequentially with the
-       [D_k, bv] state slice held in registers (never round-tripping HBM between chunks):
+  per-sequence lengths, initial state in, final state out, q/k L2 norm fused. Three launches:
+    1. `_inv_kernel`, parallel over (sequence, value head, chunk): A = strictly-lower(beta K K^T * decay) as one
+       [64, 64] dot, (I + A)^-1 by forward substitution of the four diagonal 16x16 blocks and block merges (the
+       blocking of FLA's `solve_tril`), fp32.
+    2. `_wu_kernel`, same grid: the sequential pass's dot operands w = (I+A)^-1 (beta e^g k), u = (I+A)^-1 (beta v),
+       q e^g, k e^(g_last - g), Aqk = tril(q k^T * decay) and the chunk decay e^g_last.
+    3. `_state_kernel`, grid (sequence, value head, D_v slice): walks the chunks sequentially with the [D_k, bv]
+       state slice held in registers (never round-tripping HBM between chunks):
        v_new = u - w S;  o = (q e^g) S + Aqk v_new;  S <- e^{g_last} S + (k e^{g_last - g})^T v_new.
   Algorithm as in FLA `chunk_gated_delta_rule` (chunk_scaled_dot_kkt + solve_tril + recompute_w_u, then
   chunk_delta_h fused with chunk_o so the per-chunk states are never stored).
+
+H200 measurements and their analysis: experiments/results/gdn_summary.md.
 
 Precision (`dot` mode): "float32" = IEEE fp32 dots (bit-for-bit the reference's math up to summation order; slow on
 GPU, used by the CPU tests), "tf32" = fp32 operands on tensor cores (TF32), "bfloat16" = bf16 operands, fp32
@@ -44,11 +49,16 @@ from kernels.gdn.reference import L2_EPS
 
 f32 = jnp.float32
 
-# Tuning table. Keys are read by the wrappers below; override per call with keyword arguments.
+# Tuning table. Keys are read by the wrappers below; override per call with keyword arguments. Values from the H200
+# run in experiments/results/gdn_bench.md (2026-11-30): decode bv 32 / 4 warps beat bv 16 (1 or 2 warps) and bv 64
+# (8 warps) for both state dtypes; the state pass is latency-bound per chunk, so a small grid (fewer programs than
+# SMs at bv 64, e.g. B=1) takes bv 32 (0.47 vs 0.55 ms at B=1, T=4096) and a larger one bv 64 (0.82 vs 0.95 ms at
+# B=8, T=1024). `bv: None` = that automatic choice.
 TUNING = {
     "decode": {"bv": 32, "num_warps": 4, "num_stages": 1, "prefetch": 1},
     "prefill_prep": {"inv_num_warps": 4, "wu_num_warps": 8, "num_stages": 1},
-    "prefill_state": {"bv": 64, "num_warps": 4, "num_stages": 2, "static_loop": True},
+    "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
+                      "num_stages": 2, "static_loop": True},
     "prefill": {"dot": "bfloat16"},
 }
 CHUNK = 64     # rows per chunk (prefill)
@@ -378,7 +388,10 @@ def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengt
     rep = hv // hk
     nc = pl.cdiv(T, CHUNK)
     tp = nc * CHUNK
-    bv_ = min(ps["bv"], dv)
+    bv_ = ps["bv"]
+    if bv_ is None:  # fewer state-pass programs than SMs at the large tile: split D_v finer
+        bv_ = ps["bv_small_grid"] if B * hv * (dv // ps["bv_large_grid"]) < ps["num_sms"] else ps["bv_large_grid"]
+    bv_ = min(bv_, dv)
     assert dv % bv_ == 0 and k.shape == q.shape and g.shape == beta.shape == (B, T, hv)
     if lengths is None:
         lengths = jnp.full((B,), T, jnp.int32)
