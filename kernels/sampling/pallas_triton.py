@@ -62,13 +62,15 @@ INT_MIN, INT_MAX = -(2 ** 31), 2 ** 31 - 1
 P_MARGIN = 1e-5          # top-p bound: keep a little more mass than top_p, so round-off never drops a kept token
 P_BISECT_MAX_TOP_P = 0.9999
 
-# Tuning table (data). "rows": generic rows (codebook heads); "main": main token + RAS.
+# Tuning table (data). "rows": generic rows (codebook heads); "main": main token + RAS. num_warps from the H200 sweep
+# (experiments/results/sampling_summary.md: rows 8 / main 16 warps was the fastest of the four configurations tried,
+# 123 us for all 10 samplings at 128 streams, batched).
 #   groups G: lanes per tile row (the top-k bound uses the k-th largest of G group maxima; top-k <= G for it);
 #   cand C: candidate cap of the fast path (pairwise [C, C]); p_bisect: bisection steps of the top-p bound;
 #   noise_rows: tile rows per chunk of the full-row noise (bounds the hash's registers).
 TUNING = {
-    "rows": {"num_warps": 4, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4},
-    "main": {"num_warps": 8, "groups": 128, "cand": 128, "p_bisect": 12, "noise_rows": 8},
+    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4},
+    "main": {"num_warps": 16, "groups": 128, "cand": 128, "p_bisect": 12, "noise_rows": 8},
 }
 
 
