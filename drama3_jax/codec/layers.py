@@ -1,9 +1,9 @@
 """Causal convolution building blocks of the ModifiedDAC codec, channels-last ([B, T, C]) and streamable.
 
 Every layer that looks back in time takes `ctx`, the last `context` input samples before `x` ([B, context, C_in];
-zeros, or None, at a stream's start) and returns `(y, next_ctx)`. `n_valid` ([B] int or None = all of `x`) counts the real
-samples of `x` per stream; `next_ctx` then ends at each stream's last real sample, so streams that received fewer
-new samples in a batched call stay exact. Because every layer is causal, padded samples never reach real outputs.
+zeros, or None, at a stream's start) and returns `(y, next_ctx)`. `n_valid` ([B] int, or None = all of `x`) counts
+the real samples of `x` per stream; `next_ctx` then ends at each stream's last real sample, so streams that received
+fewer new samples in a batched call stay exact. Every layer is causal, so padded samples never reach real outputs.
 
 Numerics follow fish-speech modded_dac.py / descript-audio-codec layers.py: Snake x + 1/(alpha + 1e-9) sin^2(alpha x);
 LayerNorm eps 1e-6; exact (erf) GELU in ConvNeXt.

@@ -73,8 +73,6 @@ def _compiled():
 class Codec:
     """Jitted encode / decode / streaming step over a `ModifiedDAC` (weights held once, in the model's dtype)."""
 
-    BUCKET_FRAMES = 8  # one-shot encode/decode pad to a multiple of this (exact: the codec is causal)
-
     def __init__(self, model: ModifiedDAC):
         self.cfg = model.cfg
         self.graphdef, self.params = nnx.split(model)
@@ -87,8 +85,12 @@ class Codec:
     def frame_length(self) -> int:
         return self.cfg.frame_length
 
-    def _bucket(self, frames: int) -> int:
-        return math.ceil(frames / self.BUCKET_FRAMES) * self.BUCKET_FRAMES
+    @staticmethod
+    def _bucket(frames: int) -> int:
+        """One-shot encode/decode pad to a multiple of max(8, 2^(bits(frames) - 4)) frames: at most 8 compiled shapes
+        per doubling of length, at most 12.5% padding. Exact, since the codec is causal."""
+        step = max(8, 2 ** (frames.bit_length() - 4))
+        return math.ceil(frames / step) * step
 
     # ------------------------------------------------------------------------------------------ one-shot
     def decode(self, codes) -> np.ndarray:
@@ -97,7 +99,8 @@ class Codec:
         codes = validate_codes(codes, self.cfg)
         T = codes.shape[2]
         padded = np.pad(codes, ((0, 0), (0, 0), (0, self._bucket(T) - T)))
-        audio = np.asarray(_compiled().decode(self.graphdef, self.params, jnp.asarray(padded)))[:, :T * self.frame_length]
+        audio = np.asarray(_compiled().decode(self.graphdef, self.params, jnp.asarray(padded)))
+        audio = audio[:, :T * self.frame_length]
         return audio if batched else audio[0]
 
     def encode(self, audio, sample_rate: int) -> np.ndarray:
