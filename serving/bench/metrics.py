@@ -1,0 +1,150 @@
+"""Benchmark metric math: pure functions over recorded request traces.
+
+Definitions (serving-contract.md section 3):
+- TTFA = arrival of the first non-empty chunk - send time (vLLM-Omni `audio_ttfp`, benchmarks/patch/patch.py).
+- RTF = (arrival of the last chunk - send time) / audio seconds (vLLM-Omni `audio_rtf` uses end of body; the last
+  chunk is the same instant up to the chunked terminator).
+- Audio seconds = PCM bytes / 2 (s16le) / sample rate, mono. The rate must be the server's (44.1 kHz for Drama 3):
+  vLLM-Omni's bench defaults to 24 kHz and overstated Fish throughput 1.8375x (vllm-omni PR #3773).
+- Throughput = sum of audio seconds / wall time of the timed window (vLLM-Omni benchmarks/metrics/metrics.py).
+- Player: starts at the first chunk, plays at 1x, stalls when its buffer is empty and resumes when data arrives.
+  Each stall is a gap; a stream is *broken* if one gap exceeds 100 ms. The total stall time equals vLLM-Omni's
+  `max_underrun_s` (largest deficit of bytes received vs. bytes played since the first chunk), and C50/C100/C200
+  (sglang-omni benchmarks/metrics/performance.py) are the shares of streams whose total stall is <= 50/100/200 ms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import numpy as np
+
+BYTES_PER_SAMPLE = 2  # s16le mono
+BROKEN_GAP_S = 0.1
+CONTINUITY_MS = (50, 100, 200)
+
+
+@dataclasses.dataclass
+class Trace:
+    """One request as the client saw it. Times are seconds on one monotonic clock; chunks are (arrival, bytes)."""
+
+    id: str
+    send: float
+    chunks: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    end: float | None = None
+    status: int | None = None  # HTTP status, None if no response arrived
+    error: str | None = None  # transport / stream error after or instead of a status
+    expected_bytes: int | None = None  # forced_frames * frame bytes, when the length was forced
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.audio_bytes > 0
+
+    @property
+    def audio_bytes(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    def failure_key(self) -> str | None:
+        """None for a good stream, else the HTTP status, 'stream_error:<kind>', 'empty' or 'short'."""
+        if self.status is not None and self.status != 200:
+            return str(self.status)
+        if self.error is not None:
+            return f"stream_error:{self.error}" if self.status == 200 else f"error:{self.error}"
+        if self.audio_bytes == 0:
+            return "empty"
+        if self.expected_bytes is not None and self.audio_bytes < self.expected_bytes:
+            return "short"
+        return None
+
+
+def audio_seconds(n_bytes: int, sample_rate: int) -> float:
+    return n_bytes / BYTES_PER_SAMPLE / sample_rate
+
+
+def ttfa(t: Trace) -> float:
+    """Seconds from send to the first non-empty chunk."""
+    return next(a for a, n in t.chunks if n > 0) - t.send
+
+
+def rtf(t: Trace, sample_rate: int) -> float:
+    """(last chunk - send) / audio seconds."""
+    return (t.chunks[-1][0] - t.send) / audio_seconds(t.audio_bytes, sample_rate)
+
+
+def playback_gaps(chunks: list[tuple[float, int]], sample_rate: int) -> list[tuple[float, float]]:
+    """Starvation gaps (start, length) of a 1x player that starts at the first non-empty chunk and stalls on empty."""
+    gaps = []
+    play_end = None  # when the buffered audio runs out
+    for arrival, n in chunks:
+        if n <= 0:
+            continue
+        dur = audio_seconds(n, sample_rate)
+        if play_end is None:
+            play_end = arrival + dur
+        elif arrival > play_end:
+            gaps.append((play_end, arrival - play_end))
+            play_end = arrival + dur
+        else:
+            play_end += dur
+    return gaps
+
+
+def request_metrics(t: Trace, sample_rate: int) -> dict:
+    """Per-request numbers of a good stream (see module doc)."""
+    gaps = playback_gaps(t.chunks, sample_rate)
+    return {"id": t.id, "ttfa_s": ttfa(t), "rtf": rtf(t, sample_rate),
+            "audio_s": audio_seconds(t.audio_bytes, sample_rate), "latency_s": t.chunks[-1][0] - t.send,
+            "n_chunks": len(t.chunks), "n_gaps": len(gaps), "max_gap_s": max((g for _, g in gaps), default=0.0),
+            "underrun_s": sum(g for _, g in gaps)}
+
+
+def percentile(values, q: float) -> float:
+    """Linear-interpolated percentile (numpy default, as vLLM's bench), NaN when empty."""
+    return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+def round_summary(traces: list[Trace], sample_rate: int, frame_samples: int) -> dict:
+    """Aggregate one timed round: wall window from the first send to the last chunk/end of any request."""
+    good = [t for t in traces if t.failure_key() is None]
+    per = [request_metrics(t, sample_rate) for t in good]
+    ends = [t.end if t.end is not None else (t.chunks[-1][0] if t.chunks else t.send) for t in traces]
+    wall = max(ends) - min(t.send for t in traces) if traces else math.nan
+    audio = sum(p["audio_s"] for p in per)
+    ttfas, rtfs, under = ([p[k] for p in per] for k in ("ttfa_s", "rtf", "underrun_s"))
+    n = len(per)
+    return {
+        "requests": len(traces), "ok": n,
+        "failures": dict(Counter(k for t in traces if (k := t.failure_key()) is not None)),
+        "wall_s": wall, "audio_s": audio,
+        "audio_s_per_s": audio / wall if wall > 0 else math.nan,
+        "frames_per_s": audio * sample_rate / frame_samples / wall if wall > 0 else math.nan,
+        "ttfa_ms": {f"p{q}": 1e3 * percentile(ttfas, q) for q in (50, 90, 99)} | {"mean": _mean(ttfas, 1e3)},
+        "rtf": {"p50": percentile(rtfs, 50), "p90": percentile(rtfs, 90), "mean": _mean(rtfs)},
+        "broken": sum(p["max_gap_s"] > BROKEN_GAP_S for p in per),
+        "underrun_events": sum(p["n_gaps"] for p in per),
+        "underrun_total_s": sum(under),
+        "underrun_ms": {"p50": 1e3 * percentile(under, 50), "p99": 1e3 * percentile(under, 99)},
+        "continuity": {f"C{ms}": (sum(u <= ms / 1e3 for u in under) / n if n else math.nan) for ms in CONTINUITY_MS},
+    }
+
+
+def _mean(values, scale: float = 1.0) -> float:
+    return scale * float(np.mean(values)) if len(values) else math.nan
+
+
+def average_rounds(rounds: list[dict]) -> dict:
+    """Mean over rounds of every numeric leaf; counts (requests, ok, broken, events, failures) are summed."""
+    summed = {"requests", "ok", "broken", "underrun_events"}
+    out: dict = {"rounds": len(rounds)}
+    for key, first in rounds[0].items():
+        if key == "failures":
+            out[key] = dict(sum((Counter(r[key]) for r in rounds), Counter()))
+        elif isinstance(first, dict):
+            out[key] = {k: float(np.mean([r[key][k] for r in rounds])) for k in first}
+        elif key in summed:
+            out[key] = sum(r[key] for r in rounds)
+        else:
+            out[key] = float(np.mean([r[key] for r in rounds]))
+    return out
