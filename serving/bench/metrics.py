@@ -39,10 +39,6 @@ class Trace:
     expected_bytes: int | None = None  # forced_frames * frame bytes, when the length was forced
 
     @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.error is None and self.audio_bytes > 0
-
-    @property
     def audio_bytes(self) -> int:
         return sum(n for _, n in self.chunks)
 

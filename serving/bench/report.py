@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving.bench.metrics import Trace, audio_seconds, playback_gaps, request_metrics
+from serving.bench.metrics import Trace, audio_seconds, playback_gaps, ttfa
 
 # vLLM-Omni's published Drama 3 result (PR #8933, one H200; issue #9): 1,088 Seed-TTS-Eval English requests.
 PUBLISHED = {64: {"audio_s_per_s": 162.0, "rtf": 0.375, "ttfa_p50_ms": 198.0, "broken": None},
@@ -96,12 +96,12 @@ def plot_scaling(levels: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def plot_ttfa_cdf(traces_by_level: dict[int, list[Trace]], sample_rate: int, path: Path) -> None:
+def plot_ttfa_cdf(traces_by_level: dict[int, list[Trace]], path: Path) -> None:
     """Empirical CDF of time to first audio, one curve per concurrency level (all rounds)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     for c, traces in traces_by_level.items():
-        v = np.sort([1e3 * request_metrics(t, sample_rate)["ttfa_s"] for t in traces if t.failure_key() is None])
+        v = np.sort([1e3 * ttfa(t) for t in traces if t.failure_key() is None])
         if len(v):
             ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", label=f"{c} streams")
     ax.set_xlabel("time to first audio (ms)")

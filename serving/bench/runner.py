@@ -85,7 +85,7 @@ def run(cfg: BenchConfig, reqs: list[BenchRequest]) -> dict:
     report.write_json(cfg.out / "results.json", results)
     (cfg.out / "table.md").write_text(report.markdown_table(levels))
     report.plot_scaling(levels, cfg.out / "throughput_ttfa.png")
-    report.plot_ttfa_cdf(traces_by_level, cfg.sample_rate, cfg.out / "ttfa_cdf.png")
+    report.plot_ttfa_cdf(traces_by_level, cfg.out / "ttfa_cdf.png")
     return results
 
 

@@ -100,7 +100,7 @@ def test_scripted_timings_over_http():
     reqs = [BenchRequest(n, n, "ref", codes(), forced_frames=3) for n in names]
     traces = {t.id: t for t in fake_run(reqs, concurrency=len(reqs), forced=True)}
     gap, smooth = request_metrics(traces["gap"], SR), request_metrics(traces["smooth"], SR)
-    tol = 0.04
+    tol = 0.06  # scheduling jitter on a loaded 2-core runner; the scripted values are far from every threshold
     assert gap["ttfa_s"] == pytest.approx(0.2, abs=tol) and gap["audio_s"] == 1.0
     assert gap["rtf"] == pytest.approx(0.95, abs=tol) and gap["n_gaps"] == 1
     assert gap["max_gap_s"] == pytest.approx(0.25, abs=tol)
