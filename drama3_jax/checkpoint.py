@@ -200,8 +200,9 @@ def checkpoint_tensors(cfg: Drama3Config) -> list[TensorSpec]:
 
 
 def count_params(cfg: Drama3Config) -> dict[str, int]:
-    """Parameter counts from the layout table (scales excluded): total, routed experts, and active per token
-    (all non-expert parameters, embedding tables included, plus top-k of the routed experts)."""
+    """Parameter counts from the layout table (scales excluded). `active` = all non-expert parameters (embedding
+    tables included) plus top-k of the routed experts; `backbone*` leave out the tower (`audio_decoder_mtp*`), whose
+    FFN width is a placeholder in the `full` preset."""
     total = routed = tower = 0
     for s in checkpoint_tensors(cfg):
         if s.scale_of is not None:
@@ -210,8 +211,10 @@ def count_params(cfg: Drama3Config) -> dict[str, int]:
         total += n
         routed += n if s.init == "expert" else 0
         tower += n if s.group == "tower" else 0
-    active = total - routed + routed * cfg.text.num_experts_per_tok // cfg.text.num_experts
-    return {"total": total, "routed_experts": routed, "tower": tower, "active": active}
+    active_routed = routed * cfg.text.num_experts_per_tok // cfg.text.num_experts
+    backbone = total - tower
+    return {"total": total, "active": total - routed + active_routed, "backbone": backbone,
+            "backbone_active": backbone - routed + active_routed, "routed_experts": routed, "tower": tower}
 
 
 # ------------------------------------------------------------------------------------ random checkpoints

@@ -184,9 +184,9 @@ class Engine:
             audio, self.codec_state = self.codec.step(self.codec_state, codes, np.zeros(S, np.int32))
             jax.block_until_ready(audio)
         self.codec_state = self.codec.reset(self.codec_state, np.ones(S, bool))
-        self.codec.BUCKET_FRAMES = self.cfg.encode_bucket_frames  # reference encodes pad to these buckets
-        for n in self.cfg.encode_buckets:
-            self.codec.encode(np.zeros(n * self.codec.frame_length, np.float32), self.codec.cfg.sample_rate)
+        for n in self.cfg.encode_buckets:  # reference encodes (serving.references) pad to these lengths
+            self.codec.encode(np.zeros(n * self.codec.frame_length, np.float32), self.codec.cfg.sample_rate,
+                              bucket_frames=self.cfg.encode_bucket_frames)
         log.info("warm-up: codec steps %s and reference encodes %s compiled in %.1f s", self.cfg.codec_buckets,
                  self.cfg.encode_buckets, time.perf_counter() - t_part)
         dt = time.perf_counter() - t0

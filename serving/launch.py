@@ -112,7 +112,8 @@ def main(argv=None):
                        codec_chunk=args.codec_chunk, benchmark_mode=args.benchmark_mode, dtype=args.dtype)
     engine = Engine(talker, tok, codec, cfg, metrics)
     voices = VoiceStore(args.voices_dir or tempfile.mkdtemp(prefix="drama3-voices-"))
-    state = ServerState(engine=engine, resolver=ReferenceResolver(codec, talker.cfg, args.allowed_local_media_path),
+    resolver = ReferenceResolver(codec, talker.cfg, args.allowed_local_media_path, cfg.encode_bucket_frames)
+    state = ServerState(engine=engine, resolver=resolver,
                         voices=voices, served_model_name=args.served_model_name, model_description=description,
                         max_input_chars=args.max_input_chars, benchmark_mode=args.benchmark_mode,
                         api_key=args.api_key)

@@ -20,8 +20,9 @@ _DATA_URI = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(;[\w=.+-]+)*;base64,
 
 
 class ReferenceResolver:
-    def __init__(self, codec, model_cfg, allowed_local_media_path: str | None = None):
+    def __init__(self, codec, model_cfg, allowed_local_media_path: str | None = None, encode_bucket_frames=None):
         self.codec = codec
+        self.encode_bucket_frames = encode_bucket_frames
         self.cfg = model_cfg
         self.allowed = Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
 
@@ -62,7 +63,7 @@ class ReferenceResolver:
         if not (MIN_REF_SECONDS <= seconds <= MAX_REF_SECONDS):
             raise APIError(400, f"reference audio lasts {seconds:.2f} s; it must last {MIN_REF_SECONDS}-"
                                 f"{MAX_REF_SECONDS:.0f} s", param=param)
-        return self.codec.encode(audio, sr)
+        return self.codec.encode(audio, sr, bucket_frames=self.encode_bucket_frames)
 
     # ------------------------------------------------------------------------------------------ codes
     def check_codes(self, codes, param: str) -> np.ndarray:

@@ -131,7 +131,7 @@ def _conversion_peak(tmp_path, layers: int):
     stats = convert(src, tmp_path / f"out{layers}", progress=False)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    assert stats.groups == layers + 2
+    assert stats.groups == layers + 3  # embed, layers, head, tower
     return total, peak, stats.peak_group_bytes
 
 

@@ -13,11 +13,12 @@ from drama3_jax.config import ConfigError, Drama3Config, full_config, preset, ti
 
 def test_full_preset_parameter_counts():
     c = count_params(full_config())
-    print(f"full preset: total {c['total'] / 1e9:.2f}B, routed experts {c['routed_experts'] / 1e9:.2f}B, "
-          f"active {c['active'] / 1e9:.2f}B")
-    assert 34e9 < c["total"] < 36.5e9  # Qwen3.5-35B-A3B backbone (+ the codebook table)
-    assert 3.0e9 < c["active"] < 3.9e9  # "A3B": ~3B active per token (embeddings included)
+    print(f"full preset: backbone {c['backbone'] / 1e9:.2f}B total / {c['backbone_active'] / 1e9:.2f}B active; "
+          f"tower {c['tower'] / 1e9:.2f}B; whole talker {c['total'] / 1e9:.2f}B / {c['active'] / 1e9:.2f}B active")
+    assert 34e9 < c["backbone"] < 36e9  # Qwen3.5-35B-A3B backbone (+ the codebook table)
+    assert 3.0e9 < c["backbone_active"] < 3.9e9  # "A3B": ~3B active per token (embeddings included)
     assert c["routed_experts"] == 40 * 256 * 3 * 2048 * 512
+    assert 0.5e9 < c["tower"] < 2e9 and c["total"] == c["backbone"] + c["tower"]
 
 
 def test_round_trip_through_config_json(tmp_path):

@@ -103,12 +103,14 @@ class Codec:
         audio = audio[:, :T * self.frame_length]
         return audio if batched else audio[0]
 
-    def encode(self, audio, sample_rate: int) -> np.ndarray:
+    def encode(self, audio, sample_rate: int, *, bucket_frames: int | None = None) -> np.ndarray:
         """audio [N] or [N, channels] at any rate -> codes [K, ceil(N' / frame_length)] int32, N' samples after mixing
-        down and resampling to the codec rate (right-padded with zeros to whole frames, as Fish does)."""
+        down and resampling to the codec rate (right-padded with zeros to whole frames, as Fish does).
+        bucket_frames: pad to a multiple of this many frames (a server's fixed set of compiled shapes)."""
         mono = to_mono(audio, sample_rate, self.cfg.sample_rate)
         frames = math.ceil(mono.shape[0] / self.frame_length)
-        padded = np.zeros((1, self._bucket(frames) * self.frame_length), np.float32)
+        padded_frames = math.ceil(frames / bucket_frames) * bucket_frames if bucket_frames else self._bucket(frames)
+        padded = np.zeros((1, padded_frames * self.frame_length), np.float32)
         padded[0, :mono.shape[0]] = mono
         return np.asarray(_compiled().encode(self.graphdef, self.params, jnp.asarray(padded)))[0, :, :frames]
 
