@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import Drama3Config, TextConfig
-from drama3_jax.nn import Embedding, Linear, RMSNorm, apply_rope_rotate_half, rms_norm, swiglu, write_rows
-from kernels.attention import attention
+from drama3_jax.nn import (Embedding, Linear, RMSNorm, apply_rope_rotate_half, gated_cached_attention, rms_norm,
+                           swiglu)
 from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, gdn_gates
 from kernels.moe import ExpertWeights, moe_experts
@@ -29,12 +29,18 @@ from kernels.moe import ExpertWeights, moe_experts
 
 @dataclasses.dataclass(frozen=True)
 class Backends:
-    """Which implementation each op uses (static under jit)."""
+    """Which implementation each op uses (static under jit): "reference" (plain jnp), a Pallas backend name, or
+    "auto" (the Pallas kernel on GPU, the reference elsewhere)."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
     gdn_decode: str = "reference"
     attention: str = "reference"
+    sampling: str = "reference"
+
+    @classmethod
+    def auto(cls) -> "Backends":
+        return cls(moe="auto", gdn_prefill="auto", gdn_decode="auto", sampling="auto")
 
 
 # ------------------------------------------------------------------------------------------------ cache
@@ -97,15 +103,8 @@ class GatedAttention(nnx.Module):
         v = self.v_proj(x).reshape(B, T, nkv, hd)
         q = apply_rope_rotate_half(q, positions, cfg.rotary_dim, cfg.rope_theta)
         k = apply_rope_rotate_half(k, positions, cfg.rotary_dim, cfg.rope_theta)
-        k_cache = write_rows(k_cache, k, start)
-        v_cache = write_rows(v_cache, v, start)
-        if fresh:  # prompt starts at 0: attend over the new rows only
-            o = attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, new_lengths, scale=hd ** -0.5,
-                          backend=backend)
-        else:
-            o = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), positions, start + new_lengths,
-                          scale=hd ** -0.5, backend=backend)
-        o = o.reshape(B, T, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+        o, k_cache, v_cache = gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, new_lengths,
+                                                     fresh=fresh, backend=backend)
         return self.o_proj(o), k_cache, v_cache
 
 

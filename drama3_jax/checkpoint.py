@@ -413,10 +413,10 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, experts: str = "fp8", co
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _to_state_keys(tree):
+def to_state_keys(tree):
     """Orbax restores dict keys as strings; list indices of the NNX state are ints."""
     if isinstance(tree, dict):
-        return {(int(k) if isinstance(k, str) and k.isdigit() else k): _to_state_keys(v) for k, v in tree.items()}
+        return {(int(k) if isinstance(k, str) and k.isdigit() else k): to_state_keys(v) for k, v in tree.items()}
     return tree
 
 
@@ -449,7 +449,7 @@ def load_model(path: str | Path, *, dtype=None):
     pure: dict = {}
     ckptr = ocp.StandardCheckpointer()
     for group in manifest["groups"]:
-        _merge(pure, _to_state_keys(ckptr.restore((path / "weights" / group).absolute())))
+        _merge(pure, to_state_keys(ckptr.restore((path / "weights" / group).absolute())))
 
     def cast(x):
         x = jnp.asarray(x)
@@ -458,13 +458,20 @@ def load_model(path: str | Path, *, dtype=None):
             x = x.astype(dtype)
         return x
 
-    pure = jax.tree.map(cast, pure)
-    nnx.replace_by_pure_dict(state, pure)
-    unfilled = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_flatten_with_path(state)[0]
+    return merge_pure(graphdef, state, jax.tree.map(cast, pure), CheckpointError, f"{path}: converted checkpoint")
+
+
+def merge_pure(graphdef, abstract_state, pure: dict, error: type[Exception], where: str):
+    """Fill an abstract NNX state with restored arrays and build the module; `error` names the first weight the
+    restored tree lacks."""
+    from flax import nnx
+
+    nnx.replace_by_pure_dict(abstract_state, pure)
+    unfilled = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
                 if isinstance(v, jax.ShapeDtypeStruct)]
     if unfilled:
-        raise CheckpointError(f"{path}: converted checkpoint lacks {len(unfilled)} weight(s), first: {unfilled[0]}")
-    return nnx.merge(graphdef, state)
+        raise error(f"{where} lacks {len(unfilled)} weight(s), first: {unfilled[0]}")
+    return nnx.merge(graphdef, abstract_state)
 
 
 if __name__ == "__main__":  # python -m drama3_jax.checkpoint [full|tiny]: parameter counts from the layout table

@@ -52,9 +52,10 @@ def frame_step(model: Drama3Model, s: DecodeState, backends: Backends = Backends
     B = s.h.shape[0]
     ones = jnp.ones((B,), jnp.int32)
     main = sample_main(s.keys, s.frame, model.main_logits(s.h), s.temperature, s.top_p, s.top_k, s.recent,
-                       semantic_start=cfg.semantic_start_token_id, eos_token_id=cfg.eos_token_id)
-    choose = lambda i, logits: sample_head(s.keys, s.frame, i, logits[:, 0], s.temperature, s.top_p,
-                                           s.top_k)[:, None]
+                       semantic_start=cfg.semantic_start_token_id, eos_token_id=cfg.eos_token_id,
+                       backend=backends.sampling)
+    choose = lambda i, logits: sample_head(s.keys, s.frame, i, logits[:, 0], s.temperature, s.top_p, s.top_k,
+                                           backend=backends.sampling)[:, None]
     codes, _, tcache = model.tower(s.h[:, None], main[:, None], s.row[:, None], s.cache.tower, ones, choose,
                                    backends=backends, compute_heads=True)
     row = jnp.concatenate([main[:, None], model.semantic_code(main)[:, None], codes[:, 0]], axis=-1)

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kernels.attention import attention
+
 
 class Linear(nnx.Module):
     """y = x @ weight.T, with `weight` [out, in] exactly as the checkpoint stores it (no bias)."""
@@ -61,6 +63,24 @@ def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     """cache [B, L, ...] <- new [B, T, ...] at per-row offsets start [B] (a KV-cache write)."""
     upd = lambda c, n, s: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s,) + (0,) * (c.ndim - 1))
     return jax.vmap(upd)(cache, new, start)
+
+
+def gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool,
+                           backend: str):
+    """Write k, v [B, T, n_kv, D] into the caches at `start` [B], attend causally (over the new rows only when
+    `fresh`, else over the cache), multiply by sigmoid(gate) [B, T, n_q * D].
+    Returns (o [B, T, n_q * D], k_cache, v_cache)."""
+    B, T, _, hd = q.shape
+    k_cache = write_rows(k_cache, k, start)
+    v_cache = write_rows(v_cache, v, start)
+    if fresh:
+        o = attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, new_lengths, scale=hd ** -0.5,
+                      backend=backend)
+    else:
+        o = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), positions, start + new_lengths,
+                      scale=hd ** -0.5, backend=backend)
+    o = o.reshape(B, T, -1) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+    return o, k_cache, v_cache
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:

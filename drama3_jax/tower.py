@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import TowerConfig
-from drama3_jax.nn import Embedding, Linear, RMSNorm, apply_rope_interleaved, swiglu, write_rows
-from kernels.attention import attention
+from drama3_jax.nn import Embedding, Linear, RMSNorm, apply_rope_interleaved, gated_cached_attention, swiglu
 
 
 @jax.tree_util.register_dataclass
@@ -63,14 +62,8 @@ class TowerAttention(nnx.Module):
         v = qkv[..., 2 * nh * hd + nkv * hd:].reshape(B, T, nkv, hd)
         q = apply_rope_interleaved(self.q_norm(q), positions, cfg.rotary_dim, cfg.rope_base)
         k = apply_rope_interleaved(self.k_norm(k), positions, cfg.rotary_dim, cfg.rope_base)
-        k_cache = write_rows(k_cache, k, start)
-        v_cache = write_rows(v_cache, v, start)
-        if fresh:
-            o = attention(q, k, v, positions, new_lengths, scale=hd ** -0.5, backend=backend)
-        else:
-            o = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), positions, start + new_lengths,
-                          scale=hd ** -0.5, backend=backend)
-        o = o.reshape(B, T, nh * hd) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
+        o, k_cache, v_cache = gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, new_lengths,
+                                                     fresh=fresh, backend=backend)
         return self.wo(o), k_cache, v_cache
 
 

@@ -45,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--benchmark-mode", action="store_true", help="accept ignore_eos / forced_frames")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--kernels", default="auto", choices=["auto", "reference"],
+                    help="auto: Pallas kernels (MoE, GDN, sampling) on GPU, plain-jnp references elsewhere")
     ap.add_argument("--compilation-cache", default=str(Path.home() / ".cache" / "drama3-jax" / "xla"),
                     help="persistent XLA compilation cache directory ('' disables)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain streams on SIGTERM")
@@ -78,6 +80,7 @@ def main(argv=None):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     import uvicorn
 
+    from drama3_jax.backbone import Backends
     from serving.api import ServerState, create_app
     from serving.engine import Engine, EngineConfig
     from serving.metrics import Metrics
@@ -109,7 +112,8 @@ def main(argv=None):
                        prefill_batch_sizes=tuple(sorted(args.prefill_batch_sizes)), prefill_chunk=args.prefill_chunk,
                        prefill_busy_streams=args.prefill_busy_streams, prefill_min_batch=args.prefill_min_batch,
                        prefill_max_wait_ms=args.prefill_max_wait_ms, codec_first_chunk=args.codec_first_chunk,
-                       codec_chunk=args.codec_chunk, benchmark_mode=args.benchmark_mode, dtype=args.dtype)
+                       codec_chunk=args.codec_chunk, benchmark_mode=args.benchmark_mode, dtype=args.dtype,
+                       backends=Backends.auto() if args.kernels == "auto" else Backends())
     engine = Engine(talker, tok, codec, cfg, metrics)
     voices = VoiceStore(args.voices_dir or tempfile.mkdtemp(prefix="drama3-voices-"))
     resolver = ReferenceResolver(codec, talker.cfg, args.allowed_local_media_path, cfg.encode_bucket_frames)

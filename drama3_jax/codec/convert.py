@@ -374,17 +374,12 @@ def _codec_from_pure(cfg: CodecConfig, pure: dict, dtype, where: str):
     import jax.numpy as jnp
     from flax import nnx
 
-    from drama3_jax.checkpoint import _to_state_keys
+    from drama3_jax.checkpoint import merge_pure, to_state_keys
     from drama3_jax.codec.model import ModifiedDAC
 
     graphdef, state = nnx.split(nnx.eval_shape(lambda: ModifiedDAC(cfg, dtype=jnp.float32)))
-    pure = jax.tree.map(lambda x: jnp.asarray(x, dtype or jnp.float32), _to_state_keys(pure))
-    nnx.replace_by_pure_dict(state, pure)
-    unfilled = [jax.tree_util.keystr(k) for k, v in jax.tree_util.tree_flatten_with_path(state)[0]
-                if isinstance(v, jax.ShapeDtypeStruct)]
-    if unfilled:
-        raise CodecCheckpointError(f"{where}: codec checkpoint lacks {len(unfilled)} weight(s), first {unfilled[0]}")
-    return nnx.merge(graphdef, state)
+    pure = jax.tree.map(lambda x: jnp.asarray(x, dtype or jnp.float32), to_state_keys(pure))
+    return merge_pure(graphdef, state, pure, CodecCheckpointError, f"{where}: codec checkpoint")
 
 
 def load_codec(out_dir: str | Path, dtype=None):

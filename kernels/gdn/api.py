@@ -15,8 +15,7 @@ place (no copy of the pool per step).
 
 from __future__ import annotations
 
-import jax
-
+from kernels.dispatch import pick_backend
 from kernels.gdn import pallas_triton, reference
 
 PREFILL_BACKENDS = {
@@ -36,21 +35,13 @@ def gdn_prefill(q, k, v, g, beta, initial_state=None, lengths=None, *, backend: 
     q, k [B, T, H_k, D_k]; v [B, T, H_v, D_v]; g (log decay), beta [B, T, H_v]; initial_state [B, H_v, D_k, D_v];
     lengths [B] int32 (None: all T). L2 norm of q/k and the D_k^-1/2 query scale happen inside.
     Returns (o [B, T, H_v, D_v] fp32, final_state [B, H_v, D_k, D_v] fp32)."""
-    return _pick(PREFILL_BACKENDS, backend)(q, k, v, g, beta, initial_state, lengths, **backend_kwargs)
+    fn = pick_backend(PREFILL_BACKENDS, backend, "GDN", auto="pallas_triton")
+    return fn(q, k, v, g, beta, initial_state, lengths, **backend_kwargs)
 
 
 def gdn_decode_step(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *, num_k_heads: int,
                     head_k_dim: int, head_v_dim: int, slots=None, backend: str = "reference", **backend_kwargs):
     """Fused single-token GDN step on slot pools; see `reference.gdn_decode_step` for shapes."""
-    return _pick(DECODE_BACKENDS, backend)(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias,
-                                           num_k_heads=num_k_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-                                           slots=slots, **backend_kwargs)
-
-
-def _pick(table, backend):
-    if backend == "auto":
-        backend = "pallas_triton" if jax.default_backend() == "gpu" else "reference"
-    try:
-        return table[backend]
-    except KeyError:
-        raise ValueError(f"unknown GDN backend {backend!r}; available: {sorted(table) + ['auto']}") from None
+    fn = pick_backend(DECODE_BACKENDS, backend, "GDN", auto="pallas_triton")
+    return fn(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, num_k_heads=num_k_heads,
+              head_k_dim=head_k_dim, head_v_dim=head_v_dim, slots=slots, **backend_kwargs)

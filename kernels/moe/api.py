@@ -15,6 +15,7 @@ keyword options pass through `**options` (e.g. `interpret=True` to run a Pallas 
 
 from __future__ import annotations
 
+from kernels.dispatch import pick_backend
 from kernels.moe.pallas_triton import moe_experts_pallas_triton
 from kernels.moe.reference import moe_experts_reference
 from kernels.moe.weights import ExpertWeights
@@ -30,10 +31,7 @@ BACKENDS["pallas"] = BACKENDS["pallas_triton"]
 
 def moe_experts(x, topk_ids, topk_weights, weights: ExpertWeights, *, backend: str = "reference", **options):
     """Routed-expert output of one layer. x [T, H]; topk_ids/topk_weights [T, k]; returns [T, H] in x.dtype."""
-    try:
-        fn = BACKENDS[backend]
-    except KeyError:
-        raise ValueError(f"unknown MoE backend {backend!r}; available: {sorted(BACKENDS)}") from None
+    fn = pick_backend(BACKENDS, backend, "MoE", auto="pallas_triton")
     return fn(x, topk_ids, topk_weights, weights, **options)
 
 

@@ -17,8 +17,7 @@ pallas_triton.TUNING). Everything stays on device; nothing here syncs with the h
 
 from __future__ import annotations
 
-import jax
-
+from kernels.dispatch import pick_backend
 from kernels.sampling import pallas_triton, reference
 from kernels.sampling.reference import MIN_TEMPERATURE, gumbel_at, keep_mask  # noqa: F401  (re-exported)
 
@@ -37,8 +36,8 @@ def sample_filtered(keys, logits, temperature, top_p, top_k, *, keep_crossing: b
     """One filtered Gumbel-max draw per row. keys [B, 2] uint32; logits [B, V]; temperature, top_p [B] float;
     top_k [B] int (0 = none). keep_crossing: top-p keeps the token that crosses top_p (main token) or drops it
     (codebook heads). Returns int32 [B] indices into V."""
-    return _pick(FILTERED_BACKENDS, backend)(keys, logits, temperature, top_p, top_k, keep_crossing=keep_crossing,
-                                             **backend_kwargs)
+    fn = pick_backend(FILTERED_BACKENDS, backend, "sampling", auto="pallas_triton")
+    return fn(keys, logits, temperature, top_p, top_k, keep_crossing=keep_crossing, **backend_kwargs)
 
 
 def sample_main(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
@@ -47,16 +46,7 @@ def sample_main(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_m
     """Main token with repetition-aware re-sampling. band_logits [B, band + 1] (band then EOS); keys / ras_keys
     [B, 2] uint32 (first and RAS draw); recent_main [B, W] int32 recent main-token ids (-1 padded). Returns
     main-token ids int32 [B]: semantic_start + band index, or eos_token_id."""
-    return _pick(MAIN_BACKENDS, backend)(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main,
-                                         semantic_start=semantic_start, eos_token_id=eos_token_id,
-                                         ras_temperature=ras_temperature, ras_top_k=ras_top_k, ras_top_p=ras_top_p,
-                                         **backend_kwargs)
-
-
-def _pick(table, backend):
-    if backend == "auto":
-        backend = "pallas_triton" if jax.default_backend() == "gpu" else "reference"
-    try:
-        return table[backend]
-    except KeyError:
-        raise ValueError(f"unknown sampling backend {backend!r}; available: {sorted(table) + ['auto']}") from None
+    fn = pick_backend(MAIN_BACKENDS, backend, "sampling", auto="pallas_triton")
+    return fn(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main, semantic_start=semantic_start,
+              eos_token_id=eos_token_id, ras_temperature=ras_temperature, ras_top_k=ras_top_k, ras_top_p=ras_top_p,
+              **backend_kwargs)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernels.dispatch import pick_backend
 from kernels.gdn import api, pallas_triton, reference
 
 f32 = jnp.float32
@@ -227,10 +228,11 @@ def test_prefill_then_decode_equals_one_long_prefill():
 # ------------------------------------------------------------------------------------------------ dispatch / lowering
 def test_api_dispatch():
     assert jax.default_backend() == "cpu"
-    assert api._pick(api.PREFILL_BACKENDS, "auto") is reference.gated_delta_chunked       # CPU: the reference
-    assert api._pick(api.DECODE_BACKENDS, "auto") is reference.gdn_decode_step
-    assert api._pick(api.PREFILL_BACKENDS, "pallas_triton") is pallas_triton.gated_delta_chunk_prefill_triton
-    assert api._pick(api.DECODE_BACKENDS, "pallas_triton") is pallas_triton.gdn_decode_step_triton
+    pick = lambda table, name: pick_backend(table, name, "GDN", auto="pallas_triton")
+    assert pick(api.PREFILL_BACKENDS, "auto") is reference.gated_delta_chunked       # CPU: the reference
+    assert pick(api.DECODE_BACKENDS, "auto") is reference.gdn_decode_step
+    assert pick(api.PREFILL_BACKENDS, "pallas_triton") is pallas_triton.gated_delta_chunk_prefill_triton
+    assert pick(api.DECODE_BACKENDS, "pallas_triton") is pallas_triton.gdn_decode_step_triton
     q, k, v, g, beta, _ = prefill_inputs(8, 1, 5, 1, 2, 16, 16)
     with pytest.raises(ValueError, match="unknown GDN backend"):
         api.gdn_prefill(q, k, v, g, beta, backend="nope")

@@ -22,6 +22,7 @@ import numpy as np
 from scipy.stats import chisquare
 
 from drama3_jax import sampling as S
+from kernels.dispatch import pick_backend
 from kernels.sampling import api, pallas_triton, reference
 
 f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
@@ -247,12 +248,13 @@ def test_per_request_draws_do_not_depend_on_the_batch():
 
 def test_api_dispatch():
     assert jax.default_backend() == "cpu"
-    assert api._pick(api.FILTERED_BACKENDS, "auto") is reference.sample_filtered
-    assert api._pick(api.MAIN_BACKENDS, "pallas_triton") is pallas_triton.sample_main_triton
+    pick = lambda table, name: pick_backend(table, name, "sampling", auto="pallas_triton")
+    assert pick(api.FILTERED_BACKENDS, "auto") is reference.sample_filtered
+    assert pick(api.MAIN_BACKENDS, "pallas_triton") is pallas_triton.sample_main_triton
     try:
-        api._pick(api.FILTERED_BACKENDS, "nope")
+        pick(api.FILTERED_BACKENDS, "nope")
     except ValueError as e:
-        assert "unknown sampling backend" in str(e)
+        assert "unknown sampling backend" in str(e) and "auto" in str(e)
     else:
         raise AssertionError("no error for an unknown backend")
 
