@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def server(tmp_path_factory):
            "--max-new-tokens", "64", "--max-prompt-rows", "512", "--prefill-chunk", "128", "--benchmark-mode",
            "--codec-first-chunk", "4", "--codec-chunk", "8", "--dtype", "float32",
            "--allowed-local-media-path", str(media), "--voices-dir", str(tmp_path_factory.mktemp("voices")),
-           "--log-level", "warning"]
+           "--log-level", "info"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -49,8 +50,13 @@ def server(tmp_path_factory):
             proc.kill()
             raise RuntimeError(f"server not healthy in time:\n{log_path.read_text()[-4000:]}")
         yield {"base": base, "media": media, "proc": proc, "log": log_path}
-        proc.terminate()
+        proc.terminate()  # SIGTERM: readiness goes 503, streams drain, the process exits cleanly
         try:
-            proc.wait(timeout=60)
+            rc = proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+            raise
+    log_text = log_path.read_text()
+    # uvicorn re-raises the captured SIGTERM after its graceful shutdown, so the exit status is "killed by SIGTERM"
+    assert rc in (0, -signal.SIGTERM), log_text[-4000:]
+    assert "draining" in log_text and "Application shutdown complete" in log_text

@@ -62,6 +62,14 @@ def test_openai_client_gets_valid_audio(server):
     assert len(data) == 7 * BYTES_PER_FRAME
 
 
+def test_speed_changes_tempo_not_length_rules(server):
+    normal = post(server, {"input": "Tempo.", "response_format": "pcm", "seed": 8, "forced_frames": 12})
+    fast = post(server, {"input": "Tempo.", "response_format": "pcm", "seed": 8, "forced_frames": 12, "speed": 2.0})
+    assert normal.status_code == fast.status_code == 200
+    ratio = len(fast.content) / len(normal.content)
+    assert 0.4 < ratio < 0.6
+
+
 def test_raw_pcm_and_wav_streaming(server):
     body = {"input": "Raw streaming.", "stream": True, "stream_format": "audio", "response_format": "pcm",
             "seed": 3, "forced_frames": 13}
