@@ -24,6 +24,7 @@ from scipy.stats import chisquare
 from drama3_jax import sampling as S
 from kernels.dispatch import pick_backend
 from kernels.sampling import api, pallas_triton, reference
+from tests.test_sampling import slow_keep
 
 f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
 B_ROWS, V_ROWS = 48, 300      # rows kernel test shape: padded to 512 lanes = 4 x 128 groups, candidate cap 64
@@ -190,19 +191,6 @@ def test_sample_head_forwards_to_the_chosen_backend(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------ statistics
-def _slow_keep(z, top_p, top_k, crossing):
-    """Float64 per-token loop straight from the written rules (z already scaled)."""
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    keep = np.zeros(len(z), bool)
-    for i in range(len(z)):
-        greater = z > z[i]
-        ok_p = top_p >= 1.0 or (p[greater].sum() < top_p if crossing else p[z >= z[i]].sum() <= top_p)
-        ok_k = top_k <= 0 or greater.sum() < top_k
-        keep[i] = (ok_p and ok_k) or not greater.any()
-    return keep, p
-
-
 def test_kernel_draws_follow_the_exact_filtered_distribution():
     rng = np.random.default_rng(5)
     base = np.full(V_ROWS, -30.0, np.float32)
@@ -217,9 +205,8 @@ def test_kernel_draws_follow_the_exact_filtered_distribution():
             keys = jax.vmap(jax.random.PRNGKey)(jnp.arange(B_ROWS) + c * B_ROWS).astype(u32)
             got, _ = _rows_fn(crossing)(keys, logits, ones * T, ones * tp, jnp.full((B_ROWS,), tk, i32))
             counts += np.bincount(np.asarray(got), minlength=V_ROWS)
-        z = base.astype(np.float64) / T
-        keep, p = _slow_keep(z, tp, tk, crossing)
-        q = np.where(keep, p, 0.0)
+        keep, z = slow_keep(base, T, tp, tk, crossing)
+        q = np.where(keep, np.exp(z - z.max()), 0.0)
         q /= q.sum()
         n = n_calls * B_ROWS
         assert counts[~keep].sum() == 0
