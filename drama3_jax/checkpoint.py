@@ -222,25 +222,32 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng([seed, zlib.crc32(name.encode())])
 
 
+def init_value(spec: TensorSpec, normal, uniform, log=np.log):
+    """The random-init distribution of one tensor, drawn with `normal(mean, std, shape)` / `uniform(lo, hi, shape)`
+    (numpy on the host for checkpoint files, jax.random + jnp.log on device for in-memory models). float32."""
+    shape = spec.shape
+    if spec.init in ("linear", "expert"):
+        return normal(0.0, 1.0 / math.sqrt(shape[-1]), shape)
+    if spec.init == "embed":
+        return normal(0.0, 1.0, shape)
+    if spec.init == "norm0":  # zero-centred gamma (applied as 1 + w)
+        return normal(0.0, 0.2, shape)
+    if spec.init == "norm1":
+        return 1.0 + normal(0.0, 0.2, shape)
+    if spec.init == "conv":
+        return normal(0.0, 0.5, shape)
+    if spec.init == "A_log":
+        return log(uniform(1.0, 16.0, shape))
+    if spec.init == "dt_bias":
+        return normal(0.0, 0.5, shape)
+    raise ValueError(f"no random init for {spec.init!r} ({spec.name})")
+
+
 def random_tensor(spec: TensorSpec, seed: int) -> np.ndarray:
     """A deterministic random float32 value for one tensor (FP8 quantisation happens in `random_tensors`)."""
     r = _rng(seed, spec.name)
-    shape = spec.shape
-    if spec.init in ("linear", "expert"):
-        return r.normal(0.0, 1.0 / math.sqrt(shape[-1]), shape).astype(np.float32)
-    if spec.init == "embed":
-        return r.normal(0.0, 1.0, shape).astype(np.float32)
-    if spec.init == "norm0":  # zero-centred gamma (applied as 1 + w)
-        return r.normal(0.0, 0.2, shape).astype(np.float32)
-    if spec.init == "norm1":
-        return (1.0 + r.normal(0.0, 0.2, shape)).astype(np.float32)
-    if spec.init == "conv":
-        return r.normal(0.0, 0.5, shape).astype(np.float32)
-    if spec.init == "A_log":
-        return np.log(r.uniform(1.0, 16.0, shape)).astype(np.float32)
-    if spec.init == "dt_bias":
-        return r.normal(0.0, 0.5, shape).astype(np.float32)
-    raise ValueError(f"no random init for {spec.init!r} ({spec.name})")
+    return np.asarray(init_value(spec, lambda m, sd, sh: r.normal(m, sd, sh), lambda lo, hi, sh: r.uniform(lo, hi, sh)),
+                      np.float32)
 
 
 def random_tensors(cfg: Drama3Config, seed: int) -> Iterator[tuple[TensorSpec, np.ndarray]]:
@@ -285,9 +292,9 @@ def write_random_checkpoint(cfg: Drama3Config, out_dir: str | Path, *, seed: int
     with open(out / "config.json", "w") as f:
         json.dump(cfg.to_dict(), f, indent=1)
     if tokenizer:
-        from drama3_jax.tokenizer import write_tiny_tokenizer
+        from drama3_jax.tokenizer import write_synthetic_tokenizer
 
-        write_tiny_tokenizer(out / "tokenizer.json", cfg)
+        write_synthetic_tokenizer(out / "tokenizer.json", cfg)
     if codec_cfg is not None:
         from drama3_jax.codec.convert import write_random_codec_pth
 

@@ -134,18 +134,17 @@ def dequantize_block_fp8(w: jax.Array, scale: jax.Array, block: tuple[int, int],
     return (w.astype(jnp.float32) * s).astype(dtype)
 
 
-def quantize_block_fp8(w: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Host-side per-block absmax quantisation to e4m3 (used to write FP8 checkpoints). w [..., out, in] float."""
-    import ml_dtypes
-
-    w = np.asarray(w, np.float32)
+def quantize_block_fp8(w, block: tuple[int, int], xp=np):
+    """Per-block absmax quantisation to e4m3 with fp32 scales (W ~= fp8 * scale). w [..., out, in] float.
+    xp = numpy (host, writing checkpoints) or jax.numpy (on device, random-weight models)."""
+    w = xp.asarray(w, xp.float32)
     out_dim, in_dim = w.shape[-2:]
     sshape = scale_shape(w.shape, block)
     po, pi = sshape[-2] * block[0] - out_dim, sshape[-1] * block[1] - in_dim
-    wp = np.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, po), (0, pi)])
+    wp = xp.pad(w, [(0, 0)] * (w.ndim - 2) + [(0, po), (0, pi)])
     blocks = wp.reshape(w.shape[:-2] + (sshape[-2], block[0], sshape[-1], block[1]))
-    amax = np.abs(blocks).max(axis=(-3, -1))
-    scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)  # 448 = e4m3 max finite
+    amax = xp.abs(blocks).max(axis=(-3, -1))
+    scale = xp.where(amax > 0, amax / 448.0, 1.0).astype(xp.float32)  # 448 = e4m3 max finite
     q = blocks / scale[..., :, None, :, None]
-    q = q.reshape(wp.shape)[..., :out_dim, :in_dim].astype(ml_dtypes.float8_e4m3fn)
+    q = q.reshape(wp.shape)[..., :out_dim, :in_dim].astype(jnp.float8_e4m3fn)
     return q, scale

@@ -4,7 +4,7 @@ Tokens the prompt builder needs (drama3-architecture.md 3.4): `<|im_start|>`, `<
 `<|text|>`, `<|interleave|>`, `<|speaker:0|>`..`<|speaker:15|>` and the contiguous semantic band
 `<|semantic:0|>`..`<|semantic:{band-1}|>` = `semantic_start_token_id`..`semantic_end_token_id`.
 
-`write_tiny_tokenizer` writes a real byte-level BPE with the same special tokens for the tiny random checkpoint.
+`write_synthetic_tokenizer` writes a real byte-level BPE with the special tokens at a config's ids (random checkpoints).
 """
 
 from __future__ import annotations
@@ -136,11 +136,13 @@ evening train is always late. Our second caller says it is always early. They ca
 """
 
 
-def write_tiny_tokenizer(path: str | Path, cfg: Drama3Config) -> Path:
-    """Train a byte-level BPE of exactly TINY_TEXT_TOKENS text tokens on an embedded corpus, then add the specials in
-    the tiny id layout: <|im_start|>, <|im_end|>, <|voice|>, <|text|>, <|interleave|>, 16 speakers, reserved spares up
-    to `semantic_start_token_id`, then the semantic band. `path`: a tokenizer.json path, or a directory to write it
-    into. Byte-identical across runs. Returns the written file."""
+def write_synthetic_tokenizer(path: str | Path, cfg: Drama3Config) -> Path:
+    """A real byte-level BPE of TINY_TEXT_TOKENS text tokens trained on an embedded corpus, with the special tokens at
+    the ids `cfg` names: <|im_start|> = eos - 1, <|im_end|> = eos, then <|voice|>, <|text|>, <|interleave|> and the 16
+    speakers, the semantic band at `semantic_start_token_id`, and `<|reserved:i|>` fillers in every gap up to
+    `vocab_size`. For the tiny preset that is exactly the tiny layout (no filler before <|im_start|>); for the full
+    preset it gives a tokenizer with the full id layout for random-weight speed tests. `path`: a tokenizer.json path,
+    or a directory to write it into. Byte-identical across runs. Returns the written file."""
     path = Path(path)
     if path.suffix != ".json":
         path = path / "tokenizer.json"
@@ -157,17 +159,27 @@ def write_tiny_tokenizer(path: str | Path, cfg: Drama3Config) -> Path:
     if tok.get_vocab_size() != TINY_TEXT_TOKENS:
         raise TokenizerError(f"tiny BPE training gave {tok.get_vocab_size()} text tokens, expected {TINY_TEXT_TOKENS}")
 
-    first_spare = TINY_TEXT_TOKENS + len(STRUCTURAL) + NUM_SPEAKERS
-    n_spare = cfg.semantic_start_token_id - first_spare
-    if n_spare < 0 or cfg.semantic_end_token_id + 1 != cfg.text.vocab_size:
-        raise TokenizerError(f"config {cfg.name!r} does not have the tiny vocabulary layout (text tokens, specials, "
-                             "semantic band last)")
-    specials = ([*STRUCTURAL] + [speaker_token(n) for n in range(NUM_SPEAKERS)]
-                + [f"<|reserved:{i}|>" for i in range(n_spare)] + [semantic_token(c) for c in range(cfg.band_size)])
+    named = [IM_START, IM_END, VOICE, TEXT, INTERLEAVE] + [speaker_token(n) for n in range(NUM_SPEAKERS)]
+    start = cfg.eos_token_id - 1
+    band = range(cfg.semantic_start_token_id, cfg.semantic_end_token_id + 1)
+    if start < TINY_TEXT_TOKENS or (start < band.stop and band.start < start + len(named)):
+        raise TokenizerError(f"config {cfg.name!r}: the special tokens (<|im_start|> at eos - 1 = {start} and the "
+                             f"{len(named) - 1} after it) must lie above the {TINY_TEXT_TOKENS} text tokens and "
+                             "outside the semantic band")
+    by_id = {start + i: t for i, t in enumerate(named)}
+    by_id.update({band.start + c: semantic_token(c) for c in range(len(band))})
+    n_reserved = 0
+    specials = []
+    for i in range(TINY_TEXT_TOKENS, cfg.text.vocab_size):
+        if i in by_id:
+            specials.append(by_id[i])
+        else:
+            specials.append(f"<|reserved:{n_reserved}|>")
+            n_reserved += 1
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    for want, t in enumerate(specials, start=TINY_TEXT_TOKENS):
-        if tok.token_to_id(t) != want:
-            raise TokenizerError(f"tiny tokenizer: {t} got id {tok.token_to_id(t)}, expected {want}")
+    for want in (start, cfg.eos_token_id, band.start, band.stop - 1, cfg.text.vocab_size - 1):
+        if tok.token_to_id(specials[want - TINY_TEXT_TOKENS]) != want:
+            raise TokenizerError(f"synthetic tokenizer: {specials[want - TINY_TEXT_TOKENS]} did not get id {want}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(path), pretty=True)
     Drama3Tokenizer.from_tokenizer(Tokenizer.from_file(str(path)), cfg)  # the written file must pass the loader

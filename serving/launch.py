@@ -22,8 +22,9 @@ log = logging.getLogger("serving")
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="converted checkpoint directory (scripts/convert_checkpoint.py)")
-    ap.add_argument("--random-weights", choices=["tiny"], default="tiny",
-                    help="model to build when no checkpoint is given")
+    ap.add_argument("--random-weights", choices=["tiny", "full"], default="tiny",
+                    help="model to build when no checkpoint is given: the tiny smoke-test model, or the full-size "
+                         "model (FP8 experts, ~36B parameters) initialised on the device for speed tests")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--served-model-name", default="drama-3")
@@ -69,11 +70,25 @@ def tiny_random_parts(dtype):
     return talker, load_tokenizer(tmp / "orbax", talker.cfg), Codec(random_codec(tiny_codec_config(), seed=0))
 
 
+def random_parts_in_memory(cfg, codec_cfg, dtype, seed: int = 0):
+    """Random talker built on the device, a synthetic tokenizer with the config's id layout, a random codec: the
+    full-size model for speed tests with no checkpoint file. Deterministic for a seed."""
+    from drama3_jax.codec import Codec, random_codec
+    from drama3_jax.random_init import random_talker
+    from drama3_jax.tokenizer import load_tokenizer, write_synthetic_tokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="drama3-random-"))
+    write_synthetic_tokenizer(tmp, cfg)
+    talker = random_talker(cfg, seed, dtype=dtype)
+    return talker, load_tokenizer(tmp, cfg), Codec(random_codec(codec_cfg, seed=seed, dtype=dtype))
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import jax
     import jax.numpy as jnp
+    from flax import nnx
 
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
@@ -102,6 +117,14 @@ def main(argv=None):
                              "(--codec PATH) and keep tokenizer.json beside config.json")
         talker, tok, codec = parts.talker, parts.tokenizer, parts.codec
         description = f"Fish Audio Drama 3 ({args.checkpoint})"
+    elif args.random_weights == "full":
+        from drama3_jax.codec import full_codec_config
+        from drama3_jax.config import full_config
+
+        talker, tok, codec = random_parts_in_memory(full_config(), full_codec_config(), dtype)
+        n_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(talker)))
+        description = "FULL-SIZE RANDOM-WEIGHT MODEL (no checkpoint given; for speed tests): the audio is noise"
+        log.warning("no --checkpoint: full-size random-weight talker, %.1f GiB of weights", n_bytes / 2**30)
     else:
         talker, tok, codec = tiny_random_parts(dtype)
         description = "TINY RANDOM-WEIGHT SMOKE-TEST MODEL (no checkpoint given): the audio is noise"

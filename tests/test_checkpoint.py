@@ -170,3 +170,27 @@ def test_one_directory_holds_all_three_parts(tmp_path, tiny_cfg):
     bad = subprocess.run([sys.executable, "-m", "scripts.convert_checkpoint", "--hf-dir", str(hf), "--out",
                           str(tmp_path / "x"), "--codec", str(tmp_path / "missing.pth")], capture_output=True, text=True)
     assert bad.returncode == 1 and "missing.pth" in bad.stderr
+
+
+def test_random_talker_on_device_matches_the_checkpoint_layout(tiny_fp8_dir, tiny_cfg):
+    """The in-memory random model (used for full-size speed tests) has exactly the loaded model's tree, shapes and
+    dtypes, is deterministic for a seed, and runs."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from drama3_jax.codec import tiny_codec_config
+    from drama3_jax.model import init_model_cache
+    from drama3_jax.random_init import random_talker
+    from serving.launch import random_parts_in_memory
+
+    flat = lambda m: {jax.tree_util.keystr(k): (v.shape, v.dtype)
+                      for k, v in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(m)))[0]}
+    a, b = random_talker(tiny_cfg, 5), random_talker(tiny_cfg, 5)
+    assert flat(a) == flat(drama3_jax.load_talker(tiny_fp8_dir))
+    for x, y in zip(jax.tree.leaves(nnx.state(a)), jax.tree.leaves(nnx.state(b))):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    talker, tok, codec = random_parts_in_memory(tiny_cfg, tiny_codec_config(), jnp.float32)
+    cache = init_model_cache(tiny_cfg, 1, 32, jnp.float32)
+    rows = jnp.asarray(np.array([[[tok.im_start] + [0] * 10, [tok.voice] + [0] * 10]], np.int32))
+    h, _ = talker.forward(rows, cache.backbone, jnp.array([2]), fresh=True)
+    assert np.isfinite(np.asarray(talker.main_logits(h))).all()

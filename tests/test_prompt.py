@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Tokenizer, models
 from drama3_jax.config import TINY_TEXT_TOKENS, tiny_config
 from drama3_jax.prompt import (REFERENCE_INSTRUCTION, TTS_INSTRUCTION, PromptError, build_prompt, history_for_chunk,
                                normalize_text, parse_turns, render_rows, split_long_text)
-from drama3_jax.tokenizer import Drama3Tokenizer, TokenizerError, load_tokenizer, write_tiny_tokenizer
+from drama3_jax.tokenizer import Drama3Tokenizer, TokenizerError, load_tokenizer, write_synthetic_tokenizer
 
 CFG = tiny_config()
 K = CFG.num_codebooks
@@ -29,7 +29,7 @@ GEN = [IM_START, "user\n"], [IM_END, "\n", IM_START, "assistant\n", VOICE]
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
-    write_tiny_tokenizer(d, CFG)
+    write_synthetic_tokenizer(d, CFG)
     (d / "config.json").write_text(json.dumps(CFG.to_dict()))
     return d
 
@@ -91,9 +91,9 @@ def test_special_token_ids(tok):
 
 
 def test_tiny_tokenizer_is_byte_identical_across_runs(tmp_path, ckpt):
-    a = write_tiny_tokenizer(tmp_path / "a" / "tokenizer.json", CFG).read_bytes()
+    a = write_synthetic_tokenizer(tmp_path / "a" / "tokenizer.json", CFG).read_bytes()
     code = "import sys; from drama3_jax.config import tiny_config; from drama3_jax.tokenizer import " \
-           "write_tiny_tokenizer as w; w(sys.argv[1], tiny_config())"
+           "write_synthetic_tokenizer as w; w(sys.argv[1], tiny_config())"
     env = dict(os.environ, PYTHONHASHSEED="12345", RAYON_NUM_THREADS="1")
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "b")], check=True, env=env)
     assert a == (tmp_path / "b" / "tokenizer.json").read_bytes() == (ckpt / "tokenizer.json").read_bytes()
@@ -300,3 +300,21 @@ def test_cli_end_to_end(tok, ckpt, tmp_path):
     assert "<|speaker:0|> Hello\n<|speaker:1|> Hi!<|im_end|>\n<|im_start|>assistant\n<|voice|>\n" in r.stdout
     bad = subprocess.run(cmd[:6] + ["<|speaker:16|> no"] + cmd[-2:], capture_output=True, text=True)
     assert bad.returncode == 2 and "bad speaker tag" in bad.stderr and not bad.stdout
+
+
+def test_synthetic_tokenizer_with_the_full_id_layout(tmp_path):
+    """The full preset's ids (eos 248046, band 248320..252415, vocab 252416) with fillers in the gaps: the loader
+    accepts it and prompts use the real-size band."""
+    from drama3_jax.config import full_config
+
+    cfg = full_config()
+    write_synthetic_tokenizer(tmp_path, cfg)
+    tok = load_tokenizer(tmp_path, cfg)
+    assert (tok.im_start, tok.im_end, tok.semantic_start) == (248_045, 248_046, 248_320)
+    assert tok.tokenizer.get_vocab_size() == cfg.text.vocab_size
+    codes = np.random.default_rng(0).integers(0, 1024, (10, 7))
+    codes[0] = np.random.default_rng(1).integers(0, 4096, 7)
+    rows = build_prompt(tok, cfg, "Full size.", [(codes, "Seven frames.")])
+    audio = rows[rows[:, 0] >= cfg.semantic_start_token_id]
+    np.testing.assert_array_equal(audio[:, 1:].T, codes)
+    assert rows[-1, 0] == tok.voice
