@@ -278,8 +278,7 @@ class Drama3Backbone(nnx.Module):
         """rows [B, T, 1+K] at positions cache.lengths + t; new_lengths [B] valid rows per sequence (right padding).
         `fresh`: the cache rows are empty (prompt prefill), so attention only looks at the new rows.
         T == 1 takes the fused GDN decode step. Returns (final-norm hidden [B, T, H], updated cache)."""
-        cfg = self.cfg.text
-        B, T = rows.shape[:2]
+        T = rows.shape[1]
         start = cache.lengths
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         x = self.embed_rows(rows)
@@ -308,7 +307,9 @@ class Drama3Backbone(nnx.Module):
         Only those lm_head rows are multiplied."""
         c = self.cfg
         w = self.lm_head.weight[...]
-        rows = jnp.concatenate([w[c.semantic_start_token_id:c.semantic_end_token_id + 1],
-                                w[c.eos_token_id][None]], axis=0)
-        return jax.lax.dot_general(hidden.astype(w.dtype), rows, (((hidden.ndim - 1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+        h = hidden.astype(w.dtype)
+        dot = lambda rows: jax.lax.dot_general(h, rows, (((h.ndim - 1,), (1,)), ((), ())),
+                                               preferred_element_type=jnp.float32)
+        # two products on slices of lm_head (no per-step copy of the 4097 x H band weights), then a tiny concat
+        band = dot(w[c.semantic_start_token_id:c.semantic_end_token_id + 1])
+        return jnp.concatenate([band, dot(w[c.eos_token_id][None])], axis=-1)

@@ -303,7 +303,8 @@ def write_random_checkpoint(cfg: Drama3Config, out_dir: str | Path, *, seed: int
 
 
 # ------------------------------------------------------------------------------------------ conversion
-def _set(tree: dict, path: tuple, value) -> None:
+def set_path(tree: dict, path: tuple, value) -> None:
+    """tree[p0][p1]...[pn] = value, with string keys (as Orbax restores them; `to_state_keys` turns indices back)."""
     for p in path[:-1]:
         tree = tree.setdefault(str(p), {})
     tree[str(path[-1])] = value
@@ -378,7 +379,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, experts: str = "fp8", co
                 raise CheckpointError(f"tensor {s.name!r} has dtype {dtype}, expected {want}")
             arr = reader.get(s.name)
             if s.index is None:
-                _set(tree, s.path, arr)
+                set_path(tree, s.path, arr)
                 held += arr.nbytes
             elif experts == "bf16" and s.dtype == "fp8":
                 pending[s.name] = arr  # dequantised when its scale (the next tensor) arrives
@@ -395,7 +396,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, *, experts: str = "fp8", co
             if progress:
                 _progress(done, len(specs), group)
         for path, stack in stacks.items():
-            _set(tree, path, stack)
+            set_path(tree, path, stack)
         stats.peak_group_bytes = max(stats.peak_group_bytes, held)
         ckptr.save((out / "weights" / group).absolute(), tree)
         ckptr.wait_until_finished()

@@ -12,16 +12,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from drama3_jax.checkpoint import CheckpointError, checkpoint_tensors, init_value, merge_pure
+from drama3_jax.checkpoint import (CheckpointError, checkpoint_tensors, init_value, merge_pure, set_path,
+                                   to_state_keys)
 from drama3_jax.config import Drama3Config
 from drama3_jax.model import Drama3Model
 from drama3_jax.nn import quantize_block_fp8
-
-
-def _put(tree: dict, path: tuple, value) -> None:
-    for p in path[:-1]:
-        tree = tree.setdefault(p, {})
-    tree[path[-1]] = value
 
 
 def random_talker(cfg: Drama3Config, seed: int = 0, *, dtype=jnp.bfloat16, fp8_experts: bool = True) -> Drama3Model:
@@ -44,13 +39,13 @@ def random_talker(cfg: Drama3Config, seed: int = 0, *, dtype=jnp.bfloat16, fp8_e
             w = _draw(stacked, key)
             if fp8_experts:
                 q, scale = quantize_block_fp8(w, block, xp=jnp)
-                _put(pure, spec.path, q)
-                _put(pure, spec.path[:-1] + ("weight_scale_inv",), scale)
+                set_path(pure, spec.path, q)
+                set_path(pure, spec.path[:-1] + ("weight_scale_inv",), scale)
             else:
-                _put(pure, spec.path, w.astype(dtype))
+                set_path(pure, spec.path, w.astype(dtype))
             continue
-        _put(pure, spec.path, _draw(spec, key).astype(dtype))
-    return merge_pure(graphdef, state, pure, CheckpointError, f"random {cfg.name}")
+        set_path(pure, spec.path, _draw(spec, key).astype(dtype))
+    return merge_pure(graphdef, state, to_state_keys(pure), CheckpointError, f"random {cfg.name}")
 
 
 def _draw(spec, key):

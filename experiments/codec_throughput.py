@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -25,6 +24,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from experiments.common import command_line  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -114,7 +115,7 @@ def main(argv=None):
     codecs, results = {}, []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python " + " ".join([sys.argv[0]] + (argv or sys.argv[1:])),
+    meta = {"command": command_line(args.out),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
             "jax": jax.__version__, "host": platform.node(), "preset": args.preset,

@@ -8,30 +8,30 @@ survive a time-out) and writes JSON to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from drama3_jax.backbone import Backends
 from drama3_jax.config import full_config
 from drama3_jax.generate import Prefiller, RequestSampling, frame_step
 from drama3_jax.random_init import random_talker
 from drama3_jax.sampling import SamplingParams
+from experiments.common import command_line, log, save_json
 
-T0 = time.time()
 R: dict = {"device": str(jax.devices()[0]), "jax": jax.__version__}
 
 
 def note(out, **kw):
     R.update(kw)
-    print(f"[{time.time() - T0:6.1f}s]", kw, flush=True)
-    with open(os.path.join(out, "full_smoke.json"), "w") as f:
-        json.dump(R, f, indent=1, default=str)
+    log(kw)
+    save_json(R, os.path.join(out, "full_smoke.json"))
 
 
 def main():
@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--kernels", default="auto", choices=["auto", "reference"])
     args = ap.parse_args()
+    R["command"] = command_line(args.out)
     cfg = full_config()
     backends = Backends.auto() if args.kernels == "auto" else Backends()
     t = time.time()

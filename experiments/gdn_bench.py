@@ -31,6 +31,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.common import command_line, log, save_json  # noqa: E402
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch/FLA in the same process
 
 HK, HV, D, KC = 16, 32, 128, 4
@@ -53,13 +55,8 @@ R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla"
 T0 = time.time()
 
 
-def log(*a):
-    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
-
-
 def save(out):
-    with open(os.path.join(out, "gdn_bench.json"), "w") as f:
-        json.dump(R, f, indent=1, default=str)
+    save_json(R, os.path.join(out, "gdn_bench.json"))
 
 
 def guard(name, fn, *a, **k):
@@ -137,7 +134,7 @@ def prefill_inputs(jax, jnp, B, T, seed=0):
 # ------------------------------------------------------------------------------------------------ phases
 def phase_meta(jax, jnp, args):
     d = jax.devices()[0]
-    R["meta"] = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+    R["meta"] = dict(command=command_line(args.out),
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      device=d.device_kind, platform=d.platform, jax=jax.__version__, hbm_roofline_Bps=HBM_BPS,
                      flops_roofline=PEAK_FLOPS, shapes=dict(H_k=HK, H_v=HV, D=D, conv_kernel=KC, conv_dim=CONV))

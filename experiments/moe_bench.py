@@ -17,7 +17,6 @@ Writes DIR/moe_bench.json (all numbers, command, date, device), DIR/moe_bench.md
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -28,6 +27,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.common import command_line  # noqa: E402
 
 H, I, E, K = 2048, 512, 256, 8
 DECODE_T = [1, 8, 32, 64, 128, 256]
@@ -183,7 +184,7 @@ class Runner:
         self.jax, self.jnp, self.args = jax, jnp, args
         self.t_start = time.time()
         self.res = dict(
-            command=" ".join(["python"] + sys.argv),
+            command=command_line(args.out),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             device=str(jax.devices()[0].device_kind),
             jax=jax.__version__,

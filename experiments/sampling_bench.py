@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime
-import functools
-import json
 import os
 import statistics
 import sys
@@ -39,6 +37,8 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.common import command_line, log, save_json  # noqa: E402
 
 HBM_BPS = 4.2e12
 BAND, V_HEAD, HEADS, WINDOW = 4096, 4096, 9, 16
@@ -48,13 +48,8 @@ R = {"meta": {}, "results": [], "tuning": [], "checks": [], "errors": []}
 T0 = time.time()
 
 
-def log(*a):
-    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
-
-
 def save(out):
-    with open(os.path.join(out, "sampling_bench.json"), "w") as f:
-        json.dump(R, f, indent=1, default=str)
+    save_json(R, os.path.join(out, "sampling_bench.json"))
 
 
 def logit_bytes(B):
@@ -169,7 +164,7 @@ def main(argv=None):
     from kernels.sampling import pallas_triton
 
     d = jax.devices()[0]
-    R["meta"] = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+    R["meta"] = dict(command=command_line(args.out),
                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                      device=d.device_kind, platform=d.platform, jax=jax.__version__, hbm_roofline_Bps=HBM_BPS,
                      tuning=pallas_triton.TUNING, nsets=NSETS,

@@ -20,9 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import math
 import os
-import queue
 import threading
 import time
 from collections import deque
