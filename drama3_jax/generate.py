@@ -113,14 +113,14 @@ class Prefiller:
     padding) run as ceil(T / chunk) calls of one compiled shape per batch size."""
 
     def __init__(self, model: Drama3Model, max_len: int, chunk: int = 256, backends: Backends = Backends(),
-                 cache_dtype=None):
+                 cache_dtype=None, state_dtype=None):
         from drama3_jax.model import init_model_cache
 
         self.graphdef, self.params = nnx.split(model)
         self.chunk = chunk
         cfg = model.cfg
         dtype = cache_dtype or model.lm_head.weight[...].dtype
-        self._init = jax.jit(lambda b: (init_model_cache(cfg, b, max_len, dtype),
+        self._init = jax.jit(lambda b: (init_model_cache(cfg, b, max_len, dtype, state_dtype),
                                         jnp.zeros((b, cfg.text.hidden_size), dtype)), static_argnums=0)
         donate = (1, 2) if jax.default_backend() != "cpu" else ()
         self._chunk = jax.jit(lambda p, c, h, r, nr, o, n: prefill_chunk(nnx.merge(self.graphdef, p), c, h, r, nr,

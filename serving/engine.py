@@ -60,6 +60,7 @@ class EngineConfig:
     benchmark_mode: bool = False
     backends: Backends = Backends()
     dtype: str = "bfloat16"
+    ssm_state_dtype: str | None = None  # GDN recurrent state: None = the checkpoint's mamba_ssm_dtype
 
     @property
     def max_len(self) -> int:
@@ -140,7 +141,8 @@ class Engine:
             return rows, pool
 
         donate = jax.default_backend() != "cpu"
-        self.prefiller = Prefiller(model, cfg.max_len, cfg.prefill_chunk, backends)
+        self.prefiller = Prefiller(model, cfg.max_len, cfg.prefill_chunk, backends,
+                                   state_dtype=jnp.dtype(cfg.ssm_state_dtype) if cfg.ssm_state_dtype else None)
         self._insert = jax.jit(insert, donate_argnums=(0,) if donate else ())
         self._step = jax.jit(step, donate_argnums=(1,) if donate else ())
         self.pool: DecodeState | None = None

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--benchmark-mode", action="store_true", help="accept ignore_eos / forced_frames")
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--ssm-state-dtype", default=None, choices=["float32", "bfloat16"],
+                    help="GDN recurrent-state dtype (default: the checkpoint's mamba_ssm_dtype)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "reference"],
                     help="auto: Pallas kernels (MoE, GDN, sampling) on GPU, plain-jnp references elsewhere")
     ap.add_argument("--compilation-cache", default=str(Path.home() / ".cache" / "drama3-jax" / "xla"),
@@ -136,6 +138,7 @@ def main(argv=None):
                        prefill_busy_streams=args.prefill_busy_streams, prefill_min_batch=args.prefill_min_batch,
                        prefill_max_wait_ms=args.prefill_max_wait_ms, codec_first_chunk=args.codec_first_chunk,
                        codec_chunk=args.codec_chunk, benchmark_mode=args.benchmark_mode, dtype=args.dtype,
+                       ssm_state_dtype=args.ssm_state_dtype,
                        backends=Backends.auto() if args.kernels == "auto" else Backends())
     engine = Engine(talker, tok, codec, cfg, metrics)
     voices = VoiceStore(args.voices_dir or tempfile.mkdtemp(prefix="drama3-voices-"))
