@@ -51,15 +51,25 @@ def frame_step(model: Drama3Model, s: DecodeState, backends: Backends = Backends
     cfg = model.cfg
     B = s.h.shape[0]
     ones = jnp.ones((B,), jnp.int32)
-    main = sample_main(s.keys, s.frame, model.main_logits(s.h), s.temperature, s.top_p, s.top_k, s.recent,
-                       semantic_start=cfg.semantic_start_token_id, eos_token_id=cfg.eos_token_id,
-                       backend=backends.sampling)
-    choose = lambda i, logits: sample_head(s.keys, s.frame, i, logits[:, 0], s.temperature, s.top_p, s.top_k,
-                                           backend=backends.sampling)[:, None]
-    codes, _, tcache = model.tower(s.h[:, None], main[:, None], s.row[:, None], s.cache.tower, ones, choose,
-                                   backends=backends, compute_heads=True)
+    # named scopes = the categories of the decode-step profile (experiments/decode_profile.py)
+    with jax.named_scope("lm_head"):
+        band_logits = model.main_logits(s.h)
+    with jax.named_scope("sampling"):
+        main = sample_main(s.keys, s.frame, band_logits, s.temperature, s.top_p, s.top_k, s.recent,
+                           semantic_start=cfg.semantic_start_token_id, eos_token_id=cfg.eos_token_id,
+                           backend=backends.sampling)
+
+    def choose(i, logits):
+        with jax.named_scope("sampling"):
+            return sample_head(s.keys, s.frame, i, logits[:, 0], s.temperature, s.top_p, s.top_k,
+                               backend=backends.sampling)[:, None]
+
+    with jax.named_scope("tower"):
+        codes, _, tcache = model.tower(s.h[:, None], main[:, None], s.row[:, None], s.cache.tower, ones, choose,
+                                       backends=backends, compute_heads=True)
     row = jnp.concatenate([main[:, None], model.semantic_code(main)[:, None], codes[:, 0]], axis=-1)
-    h, bcache = model.forward(row[:, None], s.cache.backbone, ones, backends=backends)
+    with jax.named_scope("backbone"):
+        h, bcache = model.forward(row[:, None], s.cache.backbone, ones, backends=backends)
     new = DecodeState(cache=ModelCache(bcache, tcache), h=h[:, 0], row=row, recent=push_recent(s.recent, main),
                       frame=s.frame + 1, keys=s.keys, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
     return row, new

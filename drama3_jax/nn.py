@@ -71,14 +71,16 @@ def gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, ne
     `fresh`, else over the cache), multiply by sigmoid(gate) [B, T, n_q * D].
     Returns (o [B, T, n_q * D], k_cache, v_cache)."""
     B, T, _, hd = q.shape
-    k_cache = write_rows(k_cache, k, start)
-    v_cache = write_rows(v_cache, v, start)
-    if fresh:
-        o = attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, new_lengths, scale=hd ** -0.5,
-                      backend=backend)
-    else:
-        o = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), positions, start + new_lengths,
-                      scale=hd ** -0.5, backend=backend)
+    with jax.named_scope("kv_write"):  # profile categories (experiments/decode_profile.py)
+        k_cache = write_rows(k_cache, k, start)
+        v_cache = write_rows(v_cache, v, start)
+    with jax.named_scope("attention_core"):
+        if fresh:
+            o = attention(q, k.astype(q.dtype), v.astype(q.dtype), positions, new_lengths, scale=hd ** -0.5,
+                          backend=backend)
+        else:
+            o = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), positions, start + new_lengths,
+                          scale=hd ** -0.5, backend=backend)
     o = o.reshape(B, T, -1) * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
     return o, k_cache, v_cache
 

@@ -151,7 +151,8 @@ def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h,
     for i, (layer, head) in enumerate(zip(residual.layers, residual.heads)):
         x, ks[n + i], vs[n + i] = layer(x, layer.embed(code, sem), positions, ks[n + i], vs[n + i], start,
                                         new_lengths, fresh=fresh, backend=backend)
-        li = head(x).astype(jnp.float32) if compute_heads else None
+        with jax.named_scope("tower_heads"):
+            li = head(x).astype(jnp.float32) if compute_heads else None
         code = choose_code(i, li).astype(jnp.int32)
         codes.append(code)
         if compute_heads:

@@ -2,16 +2,21 @@
 
 Device state: one `DecodeState` for all S slots (backbone + tower caches [S, max_len, ...], GDN states, last hidden
 state, last row, RAS window, per-request keys and sampling values) and one codec streaming state [S, ...]. Both are
-created once and donated to every step. A request owns a slot from prefill to its last frame.
+created once and donated to every step. A request owns a slot from prefill to its last audio chunk.
 
-One iteration of the engine thread:
-  1. admit: if the admission policy says so, prefill a batch of queued prompts (bucketed: batch sizes and prompt
-     lengths from small static sets) and scatter them into free slots;
-  2. decode: `frames_per_step` frames for every slot in one jitted call (inactive slots compute and are ignored);
-  3. host bookkeeping: stop rules (EOS, frame cap, forced length, cancellation), one-frame hold-back for the
-     semantic-0-before-EOS rule, long-text chunk hand-over;
-  4. codec: one batched streaming-decode call for the slots whose pending frames reached their chunk size
-     (a small first chunk for time-to-first-audio, larger ones after), PCM pushed to each request's queue.
+One tick of the engine thread (`pipeline_depth` = 1, the default):
+  1. decode: dispatch step n (`frames_per_step` frames for every slot; inactive slots compute and are ignored);
+  2. host bookkeeping on the rows of step n-1 while step n runs: stop rules (EOS, frame cap, forced length,
+     cancellation), one-frame hold-back for the semantic-0-before-EOS rule;
+  3. audio: collect the codec output dispatched in the previous tick (queued on the device before step n), push PCM
+     to each request's queue, then finish ended chunks (release the slot, or hand over to the next text chunk);
+  4. codec: dispatch one batched streaming-decode call for the slots whose pending frames reached their chunk size
+     (a small first chunk for time-to-first-audio, larger ones after);
+  5. admit: if the admission policy says so, prefill a batch of queued prompts (bucketed: batch sizes and prompt
+     lengths from small static sets) and scatter them into free slots; their first valid step is n+1.
+So the device always has a step queued while the host works. `pipeline_depth` = 0 runs the same tick synchronously
+(bookkeeping on step n's rows, codec output collected in the same tick): one step less latency, an idle device
+during host work.
 Only this module knows about slots, queues and time; the math is `drama3_jax.generate.frame_step`.
 """
 
@@ -48,6 +53,7 @@ class EngineConfig:
     max_prompt_rows: int = 2048
     max_new_tokens: int = 2048  # frame cap per chunk of text
     frames_per_step: int = 1  # decode frames per host round trip
+    pipeline_depth: int = 1  # decode steps in flight while the host processes the previous one (0 or 1)
     prefill_batch_sizes: tuple[int, ...] = (1, 4)
     prefill_chunk: int = 256  # prompt rows per prefill call (one compiled shape per batch size)
     # admission policy: below `prefill_busy_streams` running streams admit at once; above it wait until
@@ -110,6 +116,7 @@ class Request:
     slot: int = -1
     chunk_done: bool = False  # the current chunk has ended; its pending frames are being flushed
     needs_prefill: bool = False  # holds its slot while the next chunk's prompt waits for prefill
+    first_step: int = 0  # rows of decode steps dispatched before this request's prefill belong to someone else
 
 
 class QueueFull(Exception):
@@ -126,6 +133,8 @@ class Engine:
         self.graphdef, self.params = nnx.split(model)
         S = cfg.max_streams
         backends = cfg.backends
+        if cfg.pipeline_depth not in (0, 1):
+            raise ValueError(f"pipeline_depth must be 0 or 1, got {cfg.pipeline_depth}")
 
         def insert(pool, new, slots):
             return jax.tree.map(lambda p, n: p.at[slots].set(n.astype(p.dtype), mode="drop"), pool, new)
@@ -158,6 +167,9 @@ class Engine:
         self.ready = False
         self.thread: threading.Thread | None = None
         self._ids = itertools.count()
+        self._steps_dispatched = 0
+        self._inflight: deque = deque()  # (step index, rows on the device) not yet processed
+        self._codec_inflight = None  # (take [S], requests by slot, audio on the device) not yet delivered
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def warm_up(self) -> float:
@@ -263,8 +275,8 @@ class Engine:
             while not self.stop_flag.is_set():
                 self._drop_cancelled_waiting()
                 admitted = self._admit()
-                if self.active_count():
-                    self._decode()
+                if self.active_count() or self._inflight or self._codec_inflight:
+                    self._tick()
                 elif not admitted:
                     self.wake.wait(timeout=self._policy_wait() or 0.05)
                     self.wake.clear()
@@ -336,6 +348,7 @@ class Engine:
                 fresh_codec[s] = True
             r.slot = s
             r.needs_prefill = False
+            r.first_step = self._steps_dispatched
             self.slots[s] = r
         t0 = time.perf_counter()
         new = self.prefiller(rows, lengths, RequestSampling.make(params, seeds))
@@ -347,12 +360,26 @@ class Engine:
         self.metrics.active.set(self.active_count())
         return True
 
-    def _decode(self):
+    def _tick(self):
+        if self.active_count():
+            self._dispatch_step()
+        while len(self._inflight) > (self.cfg.pipeline_depth if self.active_count() else 0):
+            self._process_rows(*self._inflight.popleft())
+        self._deliver_audio()
+        self._dispatch_codec()
+        if self.cfg.pipeline_depth == 0:
+            self._deliver_audio()
+
+    def _dispatch_step(self):
         t0 = time.perf_counter()
         rows, self.pool = self._step(self.params, self.pool)
-        rows = np.asarray(rows)  # [F, S, 1+K]: the one host transfer per step
-        dt = time.perf_counter() - t0
-        self.metrics.step_seconds.observe(dt)
+        self._inflight.append((self._steps_dispatched, rows, t0))
+        self._steps_dispatched += 1
+
+    def _process_rows(self, step: int, rows, t0: float):
+        """Stop rules and frame bookkeeping on the rows [F, S, 1+K] of decode step `step`."""
+        rows = np.asarray(rows)  # the one host transfer per step
+        self.metrics.step_seconds.observe(time.perf_counter() - t0)
         eos, sem0 = self.model_cfg.eos_token_id, self.model_cfg.semantic_start_token_id
         n_frames = 0
         for s, r in enumerate(self.slots):
@@ -361,7 +388,7 @@ class Engine:
             if r.cancelled:
                 self._release(s, "cancelled")
                 continue
-            if r.chunk_done or r.needs_prefill:
+            if r.chunk_done or r.needs_prefill or step < r.first_step:
                 continue
             for f in range(rows.shape[0]):
                 row = rows[f, s]
@@ -385,7 +412,6 @@ class Engine:
                     self._end_chunk(r)
                     break
         self.metrics.frames.inc(n_frames)
-        self._run_codec()
 
     def _end_chunk(self, r: Request):
         """The current text chunk is done: queue the next chunk (same slot) or mark the request finished."""
@@ -394,31 +420,41 @@ class Engine:
         r.frames = []
         r.chunk_done = True
 
-    def _run_codec(self):
+    def _dispatch_codec(self):
+        """One batched streaming-decode call for the slots with enough pending frames (or a chunk to flush)."""
         S = self.cfg.max_streams
         take = np.zeros(S, np.int32)
         for s, r in enumerate(self.slots):
             if r is None or not r.pending:
                 continue
-            flushing = r.chunk_done
             need = self.cfg.codec_first_chunk if r.audio_frames == 0 else self.cfg.codec_chunk
-            if len(r.pending) >= need or flushing:
+            if len(r.pending) >= need or r.chunk_done:
                 take[s] = min(len(r.pending), self.cfg.codec_buckets[-1])
-        if take.any():
-            T = next(t for t in self.cfg.codec_buckets if t >= take.max())
-            codes = np.zeros((S, self.model_cfg.num_codebooks, T), np.int32)
-            for s in np.flatnonzero(take):
-                codes[s, :, :take[s]] = np.stack(self.slots[s].pending[:take[s]], axis=1)
-            t0 = time.perf_counter()
-            audio, self.codec_state = self.codec.step(self.codec_state, jnp.asarray(codes), take)
+        if not take.any():
+            return
+        T = next(t for t in self.cfg.codec_buckets if t >= take.max())
+        codes = np.zeros((S, self.model_cfg.num_codebooks, T), np.int32)
+        owners = {}
+        for s in np.flatnonzero(take):
+            r = self.slots[s]
+            codes[s, :, :take[s]] = np.stack(r.pending[:take[s]], axis=1)
+            del r.pending[:take[s]]
+            r.audio_frames += int(take[s])
+            owners[int(s)] = r
+        t0 = time.perf_counter()
+        audio, self.codec_state = self.codec.step(self.codec_state, jnp.asarray(codes), take)
+        self._codec_inflight = (take, owners, audio, t0)
+
+    def _deliver_audio(self):
+        """Collect the last codec call's PCM, push it to its requests, then finish the chunks that have ended."""
+        if self._codec_inflight is not None:
+            take, owners, audio, t0 = self._codec_inflight
+            self._codec_inflight = None
             audio = np.asarray(audio)
             self.metrics.codec_seconds.observe(time.perf_counter() - t0)
             fl = self.codec.frame_length
             now = time.perf_counter()
-            for s in np.flatnonzero(take):
-                r = self.slots[s]
-                del r.pending[:take[s]]
-                r.audio_frames += int(take[s])
+            for s, r in owners.items():
                 if r.t_first_audio is None:
                     r.t_first_audio = now
                     self.metrics.ttfa_seconds.observe(now - r.t_arrival)

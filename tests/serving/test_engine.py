@@ -1,5 +1,6 @@
 """Engine-level checks in-process: a request's audio is the same alone and among 127 others, equals offline
-generation + one-shot codec decode, and long text streams chunk after chunk."""
+generation + one-shot codec decode, and long text streams chunk after chunk, pipelined (a step in flight while the host
+works, the default) or synchronous."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ def engine():
     eng = Engine(talker, tok, codec, EngineConfig(max_streams=128, max_new_tokens=10, max_prompt_rows=512,
                                                   prefill_chunk=128, prefill_batch_sizes=(1, 8),
                                                   prefill_busy_streams=1000, codec_first_chunk=4, codec_chunk=8))
+    eng.start()
+    yield eng
+    eng.shutdown(5)
+
+
+@pytest.fixture(scope="module")
+def sync_engine():
+    talker, tok, codec = tiny_random_parts(jnp.float32)
+    eng = Engine(talker, tok, codec, EngineConfig(max_streams=4, max_new_tokens=10, max_prompt_rows=512,
+                                                  prefill_chunk=128, prefill_batch_sizes=(1,), codec_first_chunk=4,
+                                                  codec_chunk=8, pipeline_depth=0))
     eng.start()
     yield eng
     eng.shutdown(5)
@@ -60,7 +72,9 @@ def test_same_audio_alone_and_among_127_others(engine):
     np.testing.assert_allclose(alone, ref, atol=1e-4)
 
 
-def test_long_text_is_generated_chunk_by_chunk(engine):
+@pytest.mark.parametrize("which", ["engine", "sync_engine"])
+def test_long_text_is_generated_chunk_by_chunk(which, request):
+    engine = request.getfixturevalue(which)
     text = " ".join(f"Sentence {i} of a long paragraph that keeps going." for i in range(12))
     assert len(split_long_text(text)) >= 2
     (audio,), (served,) = run(engine, [text], [7], max_frames=8)

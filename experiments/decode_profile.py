@@ -1,0 +1,314 @@
+"""Decode-step profile of the full-size random-weight talker on one GPU (issue: full-size Drama 3 on one H200).
+
+Phase "timing": for each kernel variant and slot count, the jitted `frame_step` (main-token sampling, 13 tower layers
+with 9 head samplings, the backbone step) on a slot pool whose caches hold `--context` rows (ragged, +-50%) of random
+data; time per step as the median over windows of back-to-back steps (device throughput: dispatch runs ahead), and
+per host round trip (one step, then wait: what a synchronous server loop sees).
+Phase "profile": one variant at one slot count under `jax.profiler.trace`; GPU kernel time per category (the named
+scopes of `frame_step`: moe_experts, gdn_core, attention_core, sampling, ...) beside each category's roofline
+(bytes / 4.2 TB/s, flops / 780 TFLOP/s). Run it with XLA command buffers off (XLA_FLAGS=
+--xla_gpu_enable_command_buffer=) so that each kernel is attributed to its HLO op.
+
+    python experiments/decode_profile.py --out DIR --phase timing [--slots 1 64 128 256] [--variants ...]
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python experiments/decode_profile.py --out DIR --phase profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from drama3_jax.backbone import Backends
+from drama3_jax.config import preset
+from drama3_jax.generate import DecodeState, RequestSampling, frame_step
+from drama3_jax.model import ModelCache, init_model_cache
+from drama3_jax.random_init import random_talker
+from drama3_jax.sampling import RAS_WINDOW, SamplingParams
+from experiments.common import command_line, log, save_json
+
+HBM_BPS, PEAK_FLOPS = 4.2e12, 780e12  # measured on the H200 (../shared/docs/h200-baselines.md)
+VARIANTS = {  # name -> (backends, GDN state dtype)
+    "reference": (Backends(), "float32"),
+    "pallas_fp32": (Backends.auto(), "float32"),
+    "pallas_bf16": (Backends.auto(), "bfloat16"),
+    "pallas_bf16_ref_attention": (dataclasses.replace(Backends.auto(), attention="reference"), "bfloat16"),
+}
+# profile categories, first match wins, on the op_name path of each kernel's HLO instruction
+CATEGORIES = ("sampling", "attention_core", "kv_write", "gdn_core", "moe_experts", "router", "shared_expert",
+              "tower_heads", "lm_head", "tower", "backbone")
+
+
+def make_state(cfg, slots: int, max_len: int, context: int, state_dtype: str, seed: int = 0) -> DecodeState:
+    """A decode pool mid-generation: random caches (never zeros) with ragged lengths around `context`."""
+    rng = np.random.default_rng(seed)
+    cache = init_model_cache(cfg, slots, max_len, jnp.bfloat16, jnp.dtype(state_dtype))
+    key = jax.random.PRNGKey(seed)
+    leaves, tree = jax.tree.flatten(cache)
+    filled = []
+    for i, x in enumerate(leaves):
+        if x.dtype == jnp.int32:
+            filled.append(x)
+            continue
+        filled.append((0.1 * jax.random.normal(jax.random.fold_in(key, i), x.shape, jnp.float32)).astype(x.dtype))
+    cache = jax.tree.unflatten(tree, filled)
+    lengths = jnp.asarray(np.clip(rng.integers(context // 2, context * 3 // 2 + 1, slots), 2, max_len - 64), jnp.int32)
+    cache = ModelCache(dataclasses.replace(cache.backbone, lengths=lengths),
+                       dataclasses.replace(cache.tower, lengths=lengths - 1))
+    band = cfg.band_size
+    row = np.concatenate([cfg.semantic_start_token_id + rng.integers(0, band, (slots, 1)),
+                          rng.integers(0, cfg.tower.vocab_size, (slots, cfg.num_codebooks))], axis=1)
+    recent = cfg.semantic_start_token_id + rng.integers(0, band, (slots, RAS_WINDOW))
+    smp = RequestSampling.make([SamplingParams()] * slots, list(range(slots)))
+    h = (jax.random.normal(jax.random.fold_in(key, 10_000), (slots, cfg.text.hidden_size))).astype(jnp.bfloat16)
+    return DecodeState(cache=cache, h=h, row=jnp.asarray(row, jnp.int32), recent=jnp.asarray(recent, jnp.int32),
+                       frame=jnp.zeros((slots,), jnp.int32), keys=smp.keys, temperature=smp.temperature,
+                       top_p=smp.top_p, top_k=smp.top_k)
+
+
+def make_step(graphdef, backends: Backends):
+    return jax.jit(lambda p, s: frame_step(nnx.merge(graphdef, p), s, backends), donate_argnums=(1,))
+
+
+def time_step(step, params, state, windows: int = 5, per_window: int = 8):
+    """-> (ms per step back to back, ms per synchronous round trip, state). Medians after 3 warm-up steps."""
+    for _ in range(3):
+        row, state = step(params, state)
+    jax.block_until_ready(row)
+    back, sync = [], []
+    for _ in range(windows):
+        t = time.perf_counter()
+        for _ in range(per_window):
+            row, state = step(params, state)
+        jax.block_until_ready(row)
+        back.append((time.perf_counter() - t) / per_window)
+    for _ in range(windows * 2):
+        t = time.perf_counter()
+        row, state = step(params, state)
+        jax.block_until_ready(row)
+        sync.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(back)), 1e3 * float(np.median(sync)), state
+
+
+# ------------------------------------------------------------------------------------------------ rooflines
+def category_rooflines(talker, cfg, slots: int, context: int, state_dtype: str) -> dict:
+    """Fewest bytes / flops each category must move / do per decode step (uniform routing assumed for the experts)."""
+    t, a = cfg.text, cfg.tower
+    by_cat = defaultdict(lambda: [0.0, 0.0])  # bytes, flops
+
+    for path, x in nnx.to_flat_state(nnx.state(talker)):
+        name = ".".join(str(p) for p in path)
+        n = int(np.prod(x.get_value().shape))
+        nbytes = n * x.get_value().dtype.itemsize
+        if "experts" in name and "shared" not in name:
+            continue  # counted below from the touched experts
+        if "embed" in name or "embedding" in name:
+            continue  # one row per token: negligible
+        if name.startswith("lm_head"):
+            cat, n_used = "lm_head", (cfg.band_size + 1) * t.hidden_size
+            nbytes = n_used * x.get_value().dtype.itemsize
+            n = n_used
+        elif name.startswith("audio_decoder_mtp.heads"):
+            cat = "tower_heads"
+        elif name.startswith("audio_decoder_mtp"):
+            cat = "tower"
+        elif ".mlp.gate." in name:
+            cat = "router"
+        elif "shared_expert" in name:
+            cat = "shared_expert"
+        else:
+            cat = "backbone"
+        by_cat[cat][0] += nbytes
+        by_cat[cat][1] += 2.0 * slots * n if x.get_value().ndim >= 2 else 0.0
+    expert_params = 3 * t.hidden_size * t.moe_intermediate_size
+    touched = t.num_experts * (1 - (1 - t.num_experts_per_tok / t.num_experts) ** slots)
+    by_cat["moe_experts"] = [t.num_hidden_layers * touched * expert_params * (1 + 3 * 4 / 128 ** 2),
+                             2.0 * t.num_hidden_layers * slots * t.num_experts_per_tok * expert_params]
+    n_gdn, n_attn = len(t.linear_attention_layers), len(t.full_attention_layers)
+    state_bytes = t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim * jnp.dtype(
+        state_dtype).itemsize
+    conv_bytes = (t.linear_conv_kernel_dim - 1) * t.linear_conv_dim * 2
+    by_cat["gdn_core"] = [n_gdn * slots * 2 * (state_bytes + conv_bytes),
+                          n_gdn * slots * 4.0 * t.linear_num_value_heads * t.linear_key_head_dim
+                          * t.linear_value_head_dim]
+    kv_row = 2 * t.num_key_value_heads * t.head_dim * 2  # k and v, bf16
+    layers = n_attn + a.num_layers
+    by_cat["attention_core"] = [layers * slots * context * kv_row,
+                                layers * slots * context * 4.0 * t.num_attention_heads * t.head_dim]
+    by_cat["kv_write"] = [layers * slots * kv_row, 0.0]
+    by_cat["sampling"] = [slots * (cfg.band_size + 1 + (a.num_codebooks - 1) * a.vocab_size) * 4 * 2, 0.0]
+    return {c: {"bytes": b, "flops": f, "roofline_ms": 1e3 * max(b / HBM_BPS, f / PEAK_FLOPS)}
+            for c, (b, f) in by_cat.items()}
+
+
+# ------------------------------------------------------------------------------------------------ trace parsing
+def op_names_from_hlo(text: str) -> dict:
+    """HLO instruction name -> op_name metadata (the jax name-scope path)."""
+    out = {}
+    for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?op_name="([^"]*)"', text, re.M):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def category_of(op_name: str) -> str:
+    parts = op_name.split("/")
+    for c in CATEGORIES:
+        if c in parts:
+            return c
+    return "other"
+
+
+def gpu_kernel_events(trace_dir: str) -> list[dict]:
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as f:
+        d = json.load(f)
+    events = d["traceEvents"] if isinstance(d, dict) else d
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    if not gpu_pids:  # a CPU smoke run: the thunks executed on the host, tagged with their HLO op
+        return [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {}) and "dur" in e]
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+
+
+def profile(step, params, state, hlo_text: str, n_steps: int, trace_dir: str) -> dict:
+    names = op_names_from_hlo(hlo_text)
+    for _ in range(3):
+        row, state = step(params, state)
+    jax.block_until_ready(row)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(n_steps):
+            row, state = step(params, state)
+        jax.block_until_ready(row)
+    events = gpu_kernel_events(trace_dir)
+    per_cat, per_op, unattributed = defaultdict(float), defaultdict(float), 0.0
+    for e in events:
+        hlo_op = e.get("args", {}).get("hlo_op", "")
+        dur = e["dur"] / 1e3 / n_steps  # us -> ms per step
+        op_name = names.get(hlo_op)
+        if op_name is None:
+            unattributed += dur
+            per_op[f"(unattributed) {e['name'][:60]}"] += dur
+            continue
+        per_cat[category_of(op_name)] += dur
+        per_op[f"{hlo_op} {op_name[-80:]}"] += dur
+    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / n_steps if events else 0
+    top = sorted(per_op.items(), key=lambda kv: -kv[1])[:40]
+    return {"kernel_ms_per_step": dict(per_cat), "unattributed_ms_per_step": unattributed,
+            "gpu_span_ms_per_step": span, "n_events": len(events), "top_ops": top}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--phase", choices=["timing", "profile"], default="timing")
+    ap.add_argument("--slots", type=int, nargs="+", default=[1, 64, 128, 256])
+    ap.add_argument("--variants", nargs="+", default=["pallas_bf16"], choices=sorted(VARIANTS))
+    ap.add_argument("--extra", nargs="*", default=[], help="variant@slots pairs timed in addition, e.g. reference@128")
+    ap.add_argument("--context", type=int, default=512, help="mean cache rows per slot (ragged +-50%%)")
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--preset", default="full", help="model shapes (tiny: a CPU smoke run of this script)")
+    ap.add_argument("--budget-s", type=float, default=1e9)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    t_start = time.time()
+    cfg = preset(args.preset)
+    R = {"command": command_line(args.out), "device": str(jax.devices()[0]), "jax": jax.__version__,
+         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "context": args.context, "max_len": args.max_len,
+         "xla_flags": os.environ.get("XLA_FLAGS", ""), "phase": args.phase, "rows": []}
+    out_json = os.path.join(args.out, f"decode_{args.phase}.json")
+    t = time.time()
+    talker = random_talker(cfg, 0)
+    graphdef, params = nnx.split(talker)
+    jax.block_until_ready(params)
+    log(f"talker built in {time.time() - t:.1f} s")
+    runs = [(v, s) for v in args.variants for s in args.slots]
+    runs += [(e.split("@")[0], int(e.split("@")[1])) for e in args.extra]
+    for variant, slots in runs:
+        if time.time() - t_start > args.budget_s:
+            R["rows"].append({"variant": variant, "slots": slots, "skipped": "budget"})
+            continue
+        backends, state_dtype = VARIANTS[variant]
+        row = {"variant": variant, "slots": slots, "backends": dataclasses.asdict(backends),
+               "ssm_state_dtype": state_dtype}
+        try:
+            state = make_state(cfg, slots, args.max_len, args.context, state_dtype)
+            step = make_step(graphdef, backends)
+            t = time.time()
+            compiled = step.lower(params, state).compile()
+            row["compile_s"] = round(time.time() - t, 1)
+            roof = category_rooflines(talker, cfg, slots, args.context, state_dtype)
+            row["roofline_ms"] = sum(r["roofline_ms"] for r in roof.values())
+            if args.phase == "timing":
+                back, sync, state = time_step(step, params, state)
+                row.update(step_ms=back, round_trip_ms=sync, frames_per_s=1e3 * slots / back,
+                           audio_s_per_s=1e3 * slots / back / (44100 / 2048))
+                row["pct_roofline"] = 100 * row["roofline_ms"] / back
+            else:
+                p = profile(step, params, state, compiled.as_text(), args.profile_steps,
+                            os.path.join(args.out, f"trace_{variant}_{slots}"))
+                row.update(p)
+                row["categories"] = {c: {"kernel_ms": p["kernel_ms_per_step"].get(c, 0.0), **roof.get(c, {})}
+                                     for c in sorted(set(roof) | set(p["kernel_ms_per_step"]))}
+            del state
+        except Exception as e:  # record and go on: partial results survive
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        R["rows"].append(row)
+        log({k: v for k, v in row.items() if k not in ("top_ops", "categories", "backends")})
+        save_json(R, out_json)
+    write_markdown(R, os.path.join(args.out, f"decode_{args.phase}.md"))
+
+
+def write_markdown(R: dict, path: str):
+    lines = [f"# decode step, {R['phase']} ({R['device']}, jax {R['jax']}, {R['date']})", "",
+             f"Command: `{R['command']}`; context {R['context']} rows (ragged +-50%), max_len {R['max_len']}, "
+             f"XLA_FLAGS `{R['xla_flags']}`.", ""]
+    if R["phase"] == "timing":
+        lines += ["| variant | slots | step ms (back to back) | round trip ms | frames/s | audio s/s | roofline ms | "
+                  "% of roofline | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in R["rows"]:
+            if "step_ms" not in r:
+                lines.append(f"| {r['variant']} | {r['slots']} | {r.get('error') or r.get('skipped')} |||||||")
+                continue
+            lines.append(f"| {r['variant']} | {r['slots']} | {r['step_ms']:.2f} | {r['round_trip_ms']:.2f} | "
+                         f"{r['frames_per_s']:.0f} | {r['audio_s_per_s']:.1f} | {r['roofline_ms']:.2f} | "
+                         f"{r['pct_roofline']:.0f}% | {r['compile_s']} |")
+    else:
+        for r in R["rows"]:
+            if "categories" not in r:
+                lines.append(f"{r['variant']} @ {r['slots']}: {r.get('error') or r.get('skipped')}")
+                continue
+            lines += [f"## {r['variant']}, {r['slots']} slots: GPU busy {sum(r['kernel_ms_per_step'].values()) + r['unattributed_ms_per_step']:.2f} "
+                      f"ms per step, kernel span {r['gpu_span_ms_per_step']:.2f} ms", "",
+                      "| category | kernel ms/step | roofline ms | % of roofline | bytes (GB) | GFLOP |",
+                      "|---|---|---|---|---|---|"]
+            cats = sorted(r["categories"].items(), key=lambda kv: -kv[1]["kernel_ms"])
+            for c, v in cats:
+                rl = v.get("roofline_ms", 0.0)
+                pct = f"{100 * rl / v['kernel_ms']:.0f}%" if v["kernel_ms"] > 0 and rl else "-"
+                lines.append(f"| {c} | {v['kernel_ms']:.3f} | {rl:.3f} | {pct} | {v.get('bytes', 0) / 1e9:.3f} | "
+                             f"{v.get('flops', 0) / 1e9:.1f} |")
+            lines.append(f"| (unattributed) | {r['unattributed_ms_per_step']:.3f} | | | | |")
+            lines += ["", "Top kernels (ms per step):", ""] + [f"- {ms:.3f} {name}" for name, ms in r["top_ops"][:25]]
+            lines.append("")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
