@@ -40,7 +40,7 @@ class Backends:
 
     @classmethod
     def auto(cls) -> "Backends":
-        return cls(moe="auto", gdn_prefill="auto", gdn_decode="auto", sampling="auto")
+        return cls(moe="auto", gdn_prefill="auto", gdn_decode="auto", attention="auto", sampling="auto")
 
 
 # ------------------------------------------------------------------------------------------------ cache
@@ -137,19 +137,20 @@ class GatedDeltaNet(nnx.Module):
         b = self.in_proj_b(x)
         a = self.in_proj_a(x)
         conv_w = self.conv1d.weight[...][:, 0, :]
-        if decode:
-            o, conv_state, ssm_state = gdn_decode_step(
-                mixed[:, 0], a[:, 0], b[:, 0], conv_state, ssm_state, conv_w, self.A_log[...], self.dt_bias[...],
-                num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, backend=backends.gdn_decode)
-            o = o[:, None]
-        else:
-            y, conv_state = causal_conv1d(mixed, conv_w, conv_state, new_lengths)
-            q = y[..., :kd].reshape(B, T, hk, dk)
-            k = y[..., kd:2 * kd].reshape(B, T, hk, dk)
-            v = y[..., 2 * kd:].reshape(B, T, hv, dv)
-            g, beta = gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
-            o, new_state = gdn_prefill(q, k, v, g, beta, ssm_state, new_lengths, backend=backends.gdn_prefill)
-            ssm_state = new_state.astype(ssm_state.dtype)
+        with jax.named_scope("gdn_core"):  # profile category (experiments/decode_profile.py)
+            if decode:
+                o, conv_state, ssm_state = gdn_decode_step(
+                    mixed[:, 0], a[:, 0], b[:, 0], conv_state, ssm_state, conv_w, self.A_log[...],
+                    self.dt_bias[...], num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, backend=backends.gdn_decode)
+                o = o[:, None]
+            else:
+                y, conv_state = causal_conv1d(mixed, conv_w, conv_state, new_lengths)
+                q = y[..., :kd].reshape(B, T, hk, dk)
+                k = y[..., kd:2 * kd].reshape(B, T, hk, dk)
+                v = y[..., 2 * kd:].reshape(B, T, hv, dv)
+                g, beta = gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
+                o, new_state = gdn_prefill(q, k, v, g, beta, ssm_state, new_lengths, backend=backends.gdn_prefill)
+                ssm_state = new_state.astype(ssm_state.dtype)
         o = rms_norm(o, self.norm.weight[...], cfg.rms_norm_eps, zero_centered=False, out_dtype=jnp.float32)
         o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, hv * dv)
         return self.out_proj(o), conv_state, ssm_state
@@ -213,10 +214,13 @@ class SparseMoe(nnx.Module):
     def __call__(self, x, *, backend: str):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        ids, w = self.route(xf)
-        routed = moe_experts(xf, ids, w, self.experts.weights(), backend=backend)
-        shared = self.shared_expert(xf)
-        sg = jax.nn.sigmoid(self.shared_expert_gate(xf).astype(jnp.float32))
+        with jax.named_scope("router"):
+            ids, w = self.route(xf)
+        with jax.named_scope("moe_experts"):
+            routed = moe_experts(xf, ids, w, self.experts.weights(), backend=backend)
+        with jax.named_scope("shared_expert"):
+            shared = self.shared_expert(xf)
+            sg = jax.nn.sigmoid(self.shared_expert_gate(xf).astype(jnp.float32))
         out = routed.astype(jnp.float32) + sg * shared.astype(jnp.float32)
         return out.astype(x.dtype).reshape(shape)
 

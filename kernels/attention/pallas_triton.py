@@ -1,0 +1,128 @@
+"""Length-aware GQA decode attention (one query per sequence over a KV cache) as a Pallas GPU kernel, Triton lowering.
+
+Flash-decoding: grid (sequence b, kv head h, split s). Sequence b's visible keys 0 .. n_b - 1 (n_b = kv_len[b]
+clamped into [0, L]) are cut into block_k-row blocks, and those blocks are dealt out in contiguous runs to the
+`num_splits` programs of (b, h); each program walks only its run (a loop with a traced trip count, lowered to
+scf.for), so the cache is read up to each slot's length and no further, and a short batch still fills the SMs.
+One program serves all Hq / Hkv query heads of its kv head: the group is loaded as >= 16 rows (masked, zeros past
+the group) for the tensor-core dot (decode is memory bound: the padding rows cost compute only and are never
+stored). Each program keeps the online-softmax running max m, denominator l and unnormalised output acc (fp32) and
+writes them as partials; the splits are merged in plain jnp (`_combine`). A split that got no block leaves m = -inf,
+l = 0, acc = 0, and a sequence with n_b = 0 gives zeros.
+
+Numerics as the reference: scores q.k in fp32 (fp32 inputs: IEEE fp32 dots) times `scale`, softmax in fp32,
+probabilities cast to v's dtype for the second dot (fp32 accumulation), output in q's dtype.
+
+Tuning values live in TUNING (data): block_k keys per loop step; num_splits None = enough programs for
+`target_programs` (about 4 per SM on the H200), at most `max_splits` and at most one split per key block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+f32 = jnp.float32
+MIN_ROWS = 16  # smallest M of a tensor-core dot
+
+# Defaults: a first choice, checked only by compiling for sm_90 (compile_check.py: no spills, 74 KB shared memory at
+# 2 stages); experiments/attention_bench.py times them against variants on the H200.
+TUNING = {"block_k": 64, "num_splits": None, "num_warps": 4, "num_stages": 2, "target_programs": 528,
+          "max_splits": 16}
+
+
+def _params(overrides: dict) -> dict:
+    p = dict(TUNING)
+    p.update({k: v for k, v in overrides.items() if v is not None})
+    return p
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def auto_splits(B: int, Hkv: int, L: int, block_k: int, target_programs: int, max_splits: int) -> int:
+    """Splits per (sequence, kv head): enough programs for `target_programs`, within [1, max_splits] and at most one
+    per key block of the cache."""
+    want = -(-target_programs // (B * Hkv))
+    return max(1, min(want, max_splits, -(-L // block_k)))
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, G, Gp, D, BK, NS, scale, prec):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n = len_ref[b]
+    nblk = (n + BK - 1) // BK
+    per = (nblk + NS - 1) // NS
+    lo = jnp.minimum(s * per, nblk)
+    hi = jnp.minimum(lo + per, nblk)
+    grp = jax.lax.broadcasted_iota(jnp.int32, (Gp,), 0) < G     # real query rows of the padded group
+    q = plt.load(q_ref.at[b, pl.ds(h * G, Gp), :], mask=jnp.broadcast_to(grp[:, None], (Gp, D)), other=0)
+    kr = jax.lax.broadcasted_iota(jnp.int32, (BK, 1), 0)
+
+    def body(j, carry):
+        m, l, acc = carry
+        rows = pl.ds(j * BK, BK)
+        live = (j * BK + kr) < n                                # [BK, 1]
+        k = plt.load(k_ref.at[b, rows, h, :], mask=jnp.broadcast_to(live, (BK, D)), other=0)
+        v = plt.load(v_ref.at[b, rows, h, :], mask=jnp.broadcast_to(live, (BK, D)), other=0)
+        sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
+        sc = jnp.where(jnp.broadcast_to(live.reshape(1, BK), (Gp, BK)), sc * scale, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))             # finite: every walked block has a live key
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(sc - m_new[:, None])
+        l = alpha * l + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+                                 preferred_element_type=f32)
+        return m_new, l, acc * alpha[:, None] + pv
+
+    init = (jnp.full((Gp,), -jnp.inf, f32), jnp.zeros((Gp,), f32), jnp.zeros((Gp, D), f32))
+    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    plt.store(m_ref.at[b, h, s, :], m, mask=grp)
+    plt.store(l_ref.at[b, h, s, :], l, mask=grp)
+    plt.store(acc_ref.at[b, h, s, :, :], acc, mask=jnp.broadcast_to(grp[:, None], (Gp, D)))
+
+
+def _combine(m, l, acc, G):
+    """Merge the split partials m, l [B, Hkv, NS, Gp], acc [B, Hkv, NS, Gp, D] (rows >= G unwritten) into
+    [B, Hkv, G, D] fp32; zeros where no key was visible."""
+    m, l, acc = m[..., :G], l[..., :G], acc[..., :G, :]
+    mx = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp(m - jnp.where(jnp.isfinite(mx), mx, 0.0))     # -inf partials (empty splits) weigh 0
+    den = jnp.sum(w * l, axis=2)
+    num = jnp.sum(w[..., None] * acc, axis=2)
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def decode_attention_triton(q, k_cache, v_cache, kv_len, *, scale: float, block_k: int | None = None,
+                            num_splits: int | None = None, num_warps: int | None = None,
+                            num_stages: int | None = None, target_programs: int | None = None,
+                            max_splits: int | None = None, interpret: bool = False):
+    """One query per sequence over its first kv_len[b] cache rows.
+
+    q [B, Hq, D]; k_cache, v_cache [B, L, Hkv, D] (Hq % Hkv == 0, D a power of two); kv_len [B] int (clamped into
+    [0, L]; 0 gives zeros). Returns [B, Hq, D] in q.dtype."""
+    p = _params(dict(block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                     target_programs=target_programs, max_splits=max_splits))
+    B, Hq, D = q.shape
+    L, Hkv = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.shape == v_cache.shape == (B, L, Hkv, D) and Hq % Hkv == 0 and D == _next_pow2(D)
+    G = Hq // Hkv
+    Gp = max(MIN_ROWS, _next_pow2(G))
+    BK = p["block_k"]
+    assert BK == _next_pow2(BK)
+    NS = p["num_splits"] or auto_splits(B, Hkv, L, BK, p["target_programs"], p["max_splits"])
+    kv_len = jnp.clip(kv_len.astype(jnp.int32), 0, L)
+    prec = jax.lax.Precision.HIGHEST if q.dtype == f32 else None
+    kern = functools.partial(_kernel, G=G, Gp=Gp, D=D, BK=BK, NS=NS, scale=float(scale), prec=prec)
+    m, l, acc = pl.pallas_call(
+        kern, grid=(B, Hkv, NS),
+        out_shape=(jax.ShapeDtypeStruct((B, Hkv, NS, Gp), f32), jax.ShapeDtypeStruct((B, Hkv, NS, Gp), f32),
+                   jax.ShapeDtypeStruct((B, Hkv, NS, Gp, D), f32)),
+        compiler_params=plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"]),
+        interpret=interpret, name="decode_attention",
+    )(kv_len, q, k_cache, v_cache)
+    return _combine(m, l, acc, G).reshape(B, Hq, D).astype(q.dtype)

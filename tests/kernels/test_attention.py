@@ -1,0 +1,147 @@
+"""Length-aware decode attention kernel (Pallas, Triton lowering) vs the plain-jnp reference, in interpret mode on CPU.
+
+Cases: ragged kv_len with 0, 1, multiples of block_k and +-1 around them, the full cache L, values past L (clamped)
+and negative ones; L not a multiple of block_k; GQA ratios 1, 2, 8 (group padded to 16 rows) and Hq = 16, Hkv = 2,
+D = 256 (Drama 3 heads); one split and several, with splits wholly past a sequence's length; bf16 and fp32 inputs.
+Tolerances (max |kernel - ref| / max |ref|): fp32 <= 1e-5; bf16 <= 1e-2 (bf16 probabilities in the second dot, the
+bf16 output rounding). Cache rows past each length hold NaN, so reading a row past the length shows up as NaN.
+The api test checks Tq == 1 through backend="pallas_triton" against "reference" and the Tq > 1 fallback; the
+lowering test lowers the kernel for an (abstract) H200 at full shapes (kernels/attention/compile_check.py goes on to
+PTX with the triton package).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.attention import api, pallas_triton, reference
+from kernels.dispatch import pick_backend
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(scale, kw):
+    return jax.jit(functools.partial(pallas_triton.decode_attention_triton, scale=scale, interpret=True, **dict(kw)))
+
+
+_ref = jax.jit(reference.attention_reference, static_argnames=("scale",))
+
+
+def inputs(seed, B, L, Hq, Hkv, D, kv_len, dtype):
+    """Random q, caches (NaN past min(kv_len, L) in every row: never read), kv_len int32."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(ks[0], (B, Hq, D), f32) * 2.0
+    k = jax.random.normal(ks[1], (B, L, Hkv, D), f32)
+    v = jax.random.normal(ks[2], (B, L, Hkv, D), f32)
+    kv_len = jnp.asarray(kv_len, jnp.int32)
+    live = (jnp.arange(L)[None, :] < kv_len[:, None])[:, :, None, None]
+    return q.astype(dtype), jnp.where(live, k, jnp.nan).astype(dtype), jnp.where(live, v, jnp.nan).astype(dtype), kv_len
+
+
+def ref_decode(q, k, v, kv_len, scale):
+    """The reference for one query per sequence at position kv_len - 1 (NaN rows past the length zeroed first: the
+    reference multiplies masked probabilities (0) by them)."""
+    L = k.shape[1]
+    n = jnp.clip(kv_len, 0, L)
+    live = (jnp.arange(L)[None, :] < n[:, None])[:, :, None, None]
+    k, v = jnp.where(live, k, 0).astype(k.dtype), jnp.where(live, v, 0).astype(v.dtype)
+    return _ref(q[:, None], k, v, (n - 1)[:, None], n, scale=scale)[:, 0]
+
+
+def check(out, ref, kv_len, dtype):
+    out, ref = np.asarray(out.astype(f32)), np.asarray(ref.astype(f32))
+    assert out.dtype == ref.dtype and np.isfinite(out).all()
+    assert (out[np.asarray(kv_len) <= 0] == 0).all()
+    tol = 1e-5 if dtype == f32 else 1e-2
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert err <= tol, err
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("Hq,Hkv,D,block_k,num_splits", [
+    (4, 4, 16, 16, 1),      # GQA 1, one split
+    (4, 2, 32, 16, 3),      # GQA 2, splits past the length for the short rows
+    (16, 2, 64, 32, 4),     # GQA 8
+    (8, 1, 16, 8, 16),      # GQA 8, more splits than blocks for most rows
+])
+def test_kernel_vs_reference(dtype, Hq, Hkv, D, block_k, num_splits):
+    L = 100                                            # not a multiple of block_k
+    kv_len = [0, 1, block_k, block_k - 1, block_k + 1, 2 * block_k, 57, L, L + 7, -3]
+    q, k, v, n = inputs(hash((Hq, Hkv, D, block_k)) % 1000, len(kv_len), L, Hq, Hkv, D, kv_len, dtype)
+    scale = D ** -0.5
+    out = _kernel(scale, (("block_k", block_k), ("num_splits", num_splits)))(q, k, v, n)
+    assert out.shape == q.shape and out.dtype == dtype
+    check(out, ref_decode(q, k, v, n, scale), n, dtype)
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+def test_kernel_drama3_heads(dtype):
+    """Hq 16, Hkv 2, D 256, the default tuning (block_k 64, automatic splits)."""
+    L = 150
+    kv_len = [150, 0, 64, 93]
+    q, k, v, n = inputs(7, len(kv_len), L, 16, 2, 256, kv_len, dtype)
+    out = _kernel(256 ** -0.5, ())(q, k, v, n)
+    check(out, ref_decode(q, k, v, n, 256 ** -0.5), n, dtype)
+
+
+def test_auto_splits():
+    assert pallas_triton.auto_splits(1, 2, 4100, 64, 528, 16) == 16
+    assert pallas_triton.auto_splits(128, 2, 4100, 64, 528, 16) == 3
+    assert pallas_triton.auto_splits(256, 2, 4100, 64, 528, 16) == 2
+    assert pallas_triton.auto_splits(1, 2, 100, 64, 528, 16) == 2        # at most one split per key block
+
+
+# ------------------------------------------------------------------------------------------------ api / lowering
+def test_api_decode_and_fallback():
+    """Tq == 1 through the kernel equals the reference, also where kv_len and q_pos + 1 differ (the smaller wins, as
+    in the reference's mask); Tq > 1 falls back to the reference exactly."""
+    B, L, Hq, Hkv, D = 4, 40, 4, 2, 16
+    ks = jax.random.split(jax.random.PRNGKey(3), 3)
+    q = jax.random.normal(ks[0], (B, 3, Hq, D), f32)
+    k = jax.random.normal(ks[1], (B, L, Hkv, D), f32)
+    v = jax.random.normal(ks[2], (B, L, Hkv, D), f32)
+    kv_len = jnp.array([17, 0, 40, 9], jnp.int32)
+    q_pos1 = jnp.array([[16], [0], [20], [30]], jnp.int32)       # decode, none visible, q_pos < kv_len - 1, beyond
+    run = lambda backend, qq, qp: jax.jit(functools.partial(api.attention, scale=0.25, backend=backend,
+                                                            **({"interpret": True} if backend != "reference" else
+                                                               {})))(qq, k, v, qp, kv_len)
+    o_k, o_r = run("pallas_triton", q[:, :1], q_pos1), run("reference", q[:, :1], q_pos1)
+    assert o_k.shape == (B, 1, Hq, D)
+    np.testing.assert_allclose(np.asarray(o_k), np.asarray(o_r), rtol=1e-5, atol=1e-5)
+    assert (np.asarray(o_k[1]) == 0).all()
+    q_pos3 = jnp.array([[14, 15, 16], [0, 1, 2], [37, 38, 39], [6, 7, 8]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(run("pallas_triton", q, q_pos3)), np.asarray(run("reference", q, q_pos3)))
+
+
+def test_dispatch():
+    assert jax.default_backend() == "cpu"
+    assert pick_backend(api.BACKENDS, "auto", "attention", auto="pallas_triton") is api.BACKENDS["reference"]
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        api.attention(jnp.zeros((1, 1, 2, 8)), jnp.zeros((1, 4, 1, 8)), jnp.zeros((1, 4, 1, 8)),
+                      jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), scale=1.0, backend="nope")
+
+
+def test_backends_auto_uses_attention_kernel():
+    from drama3_jax.backbone import Backends
+    assert Backends.auto().attention == "auto"
+
+
+def test_triton_lowering_full_shapes_for_h200():
+    """One Triton custom call at Drama 3 shapes (128 streams, 4100-row bf16 cache; and fp32) for an abstract H200."""
+    sd = jax.ShapeDtypeStruct
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=dev)
+    B, L, Hq, Hkv, D = 128, 4100, 16, 2, 256
+    with jax.sharding.use_abstract_mesh(mesh):
+        for dt in (bf16, f32):
+            fn = functools.partial(api.attention, scale=D ** -0.5, backend="pallas_triton")
+            txt = jax.jit(fn).trace(sd((B, 1, Hq, D), dt), sd((B, L, Hkv, D), dt), sd((B, L, Hkv, D), dt),
+                                    sd((B, 1), jnp.int32), sd((B,), jnp.int32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert txt.count("__gpu$xla.gpu.triton") == 1
