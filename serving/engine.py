@@ -10,8 +10,12 @@ One tick of the engine thread (`pipeline_depth` = 1, the default):
      cancellation), one-frame hold-back for the semantic-0-before-EOS rule;
   3. audio: collect the codec output dispatched in the previous tick (queued on the device before step n), push PCM
      to each request's queue, then finish ended chunks (release the slot, or hand over to the next text chunk);
-  4. codec: dispatch one batched streaming-decode call for the slots whose pending frames reached their chunk size
-     (a small first chunk for time-to-first-audio, larger ones after);
+  4. codec: one batched streaming-decode call over just the streams with a chunk ready (their codec state gathered
+     from the pool; stream count and frames padded to small static sets). A stream's chunks grow from
+     `codec_first_chunk` frames by doubling up to `codec_chunk`. A call costs several ms however small it is, so the
+     codec runs only when it must: a first chunk is ready (time-to-first-audio), a text chunk ended (flush, frees
+     the slot), a stream's client-side buffer would run dry within `codec_lead_s` (counting real-time playback from
+     its first chunk), or `codec_min_batch` streams are ready;
   5. admit: if the admission policy says so, prefill a batch of queued prompts (bucketed: batch sizes and prompt
      lengths from small static sets) and scatter them into free slots; their first valid step is n+1.
 So the device always has a step queued while the host works. `pipeline_depth` = 0 runs the same tick synchronously
@@ -62,7 +66,10 @@ class EngineConfig:
     prefill_min_batch: int = 6
     prefill_max_wait_ms: float = 100.0
     codec_first_chunk: int = 4  # frames in a stream's first audio chunk
-    codec_chunk: int = 16  # frames in later chunks
+    codec_chunk: int = 32  # chunk sizes double from codec_first_chunk up to this
+    codec_batch_sizes: tuple[int, ...] = (32,)  # streams per codec call are padded to one of these (or all)
+    codec_min_batch: int = 32  # ready streams that trigger a codec call when none is urgent
+    codec_lead_s: float = 0.3  # a stream whose sent audio plays out within this is urgent
     benchmark_mode: bool = False
     backends: Backends = Backends()
     dtype: str = "bfloat16"
@@ -76,9 +83,23 @@ class EngineConfig:
     encode_bucket_frames: int = 224  # reference audio is encoded in multiples of this many frames (~10.4 s)
     max_reference_frames: int = 672  # ~31 s
 
+    def codec_chunk_frames(self, i: int) -> int:
+        """Frames in a stream's i-th audio chunk: codec_first_chunk doubling up to codec_chunk."""
+        return min(self.codec_chunk, self.codec_first_chunk * 2 ** min(i, 30))
+
     @property
     def codec_buckets(self) -> tuple[int, ...]:
-        return tuple(sorted({self.codec_first_chunk, self.codec_chunk}))
+        """Frame counts per codec call (every chunk size of the schedule)."""
+        sizes, i = {self.codec_chunk}, 0
+        while self.codec_chunk_frames(i) < self.codec_chunk:
+            sizes.add(self.codec_chunk_frames(i))
+            i += 1
+        return tuple(sorted(sizes))
+
+    @property
+    def codec_batches(self) -> tuple[int, ...]:
+        """Stream counts per codec call."""
+        return tuple(sorted({b for b in self.codec_batch_sizes if 0 < b < self.max_streams} | {self.max_streams}))
 
     @property
     def encode_buckets(self) -> tuple[int, ...]:
@@ -104,6 +125,7 @@ class Request:
     prompt: np.ndarray | None = None  # rows of the current chunk
     t_arrival: float = dataclasses.field(default_factory=time.perf_counter)
     t_first_audio: float | None = None
+    t_audio_end: float = 0.0  # when the audio sent so far ends if played in real time from its first chunk
     cancelled: bool = False
     finished: bool = False
     chunk_index: int = 0
@@ -112,6 +134,7 @@ class Request:
     held: np.ndarray | None = None
     pending: list = dataclasses.field(default_factory=list)  # frames waiting for the codec
     audio_frames: int = 0
+    audio_chunks: int = 0
     prompt_rows: int = 0
     slot: int = -1
     chunk_done: bool = False  # the current chunk has ended; its pending frames are being flushed
@@ -191,16 +214,18 @@ class Engine:
         jax.block_until_ready(rows)
         log.info("warm-up: decode step compiled in %.1f s", time.perf_counter() - t_part)
         t_part = time.perf_counter()
-        for T in self.cfg.codec_buckets:
-            codes = jnp.asarray(np.zeros((S, self.model_cfg.num_codebooks, T), np.int32))  # the serving path
-            audio, self.codec_state = self.codec.step(self.codec_state, codes, np.zeros(S, np.int32))
-            jax.block_until_ready(audio)
+        for n in self.cfg.codec_batches:  # the serving path, every row padding: nothing changes
+            for T in self.cfg.codec_buckets:
+                codes = np.zeros((n, self.model_cfg.num_codebooks, T), np.int32)
+                audio, self.codec_state = self.codec.step_slots(self.codec_state, np.full(n, S), codes,
+                                                                np.zeros(n, np.int32))
+                jax.block_until_ready(audio)
         self.codec_state = self.codec.reset(self.codec_state, np.ones(S, bool))
         for n in self.cfg.encode_buckets:  # reference encodes (serving.references) pad to these lengths
             self.codec.encode(np.zeros(n * self.codec.frame_length, np.float32), self.codec.cfg.sample_rate,
                               bucket_frames=self.cfg.encode_bucket_frames)
-        log.info("warm-up: codec steps %s and reference encodes %s compiled in %.1f s", self.cfg.codec_buckets,
-                 self.cfg.encode_buckets, time.perf_counter() - t_part)
+        log.info("warm-up: codec steps (streams %s x frames %s) and reference encodes %s compiled in %.1f s",
+                 self.cfg.codec_batches, self.cfg.codec_buckets, self.cfg.encode_buckets, time.perf_counter() - t_part)
         dt = time.perf_counter() - t0
         self.metrics.compile_seconds.set(dt)
         self.ready = True
@@ -421,44 +446,49 @@ class Engine:
         r.chunk_done = True
 
     def _dispatch_codec(self):
-        """One batched streaming-decode call for the slots with enough pending frames (or a chunk to flush)."""
-        S = self.cfg.max_streams
-        take = np.zeros(S, np.int32)
+        """One streaming-decode call over the streams with a chunk ready, when some stream needs it now (see the
+        module docstring) or enough are ready; only those streams' codec state is gathered and stepped."""
+        cap, now = self.cfg.codec_buckets[-1], time.perf_counter()
+        ready, urgent = [], False
         for s, r in enumerate(self.slots):
             if r is None or not r.pending:
                 continue
-            need = self.cfg.codec_first_chunk if r.audio_frames == 0 else self.cfg.codec_chunk
-            if len(r.pending) >= need or r.chunk_done:
-                take[s] = min(len(r.pending), self.cfg.codec_buckets[-1])
-        if not take.any():
+            starving = r.audio_chunks > 0 and r.t_audio_end - now < self.cfg.codec_lead_s
+            if r.chunk_done or starving or len(r.pending) >= self.cfg.codec_chunk_frames(r.audio_chunks):
+                ready.append((s, r, min(len(r.pending), cap)))
+                urgent |= r.chunk_done or starving or r.audio_chunks == 0
+        if not ready or not (urgent or len(ready) >= min(self.cfg.codec_min_batch, self.active_count())):
             return
-        T = next(t for t in self.cfg.codec_buckets if t >= take.max())
-        codes = np.zeros((S, self.model_cfg.num_codebooks, T), np.int32)
-        owners = {}
-        for s in np.flatnonzero(take):
-            r = self.slots[s]
-            codes[s, :, :take[s]] = np.stack(r.pending[:take[s]], axis=1)
-            del r.pending[:take[s]]
-            r.audio_frames += int(take[s])
-            owners[int(s)] = r
+        n = next(b for b in self.cfg.codec_batches if b >= len(ready))
+        T = next(t for t in self.cfg.codec_buckets if t >= max(take for _, _, take in ready))
+        codes = np.zeros((n, self.model_cfg.num_codebooks, T), np.int32)
+        slots = np.full(n, self.cfg.max_streams, np.int32)  # padding rows: out-of-range slot, nothing written
+        n_new = np.zeros(n, np.int32)
+        for i, (s, r, take) in enumerate(ready):
+            codes[i, :, :take] = np.stack(r.pending[:take], axis=1)
+            slots[i], n_new[i] = s, take
+            del r.pending[:take]
+            r.audio_frames += take
+            r.audio_chunks += 1
         t0 = time.perf_counter()
-        audio, self.codec_state = self.codec.step(self.codec_state, jnp.asarray(codes), take)
-        self._codec_inflight = (take, owners, audio, t0)
+        audio, self.codec_state = self.codec.step_slots(self.codec_state, slots, codes, n_new)
+        self._codec_inflight = ([(r, take) for _, r, take in ready], audio, t0)
 
     def _deliver_audio(self):
         """Collect the last codec call's PCM, push it to its requests, then finish the chunks that have ended."""
         if self._codec_inflight is not None:
-            take, owners, audio, t0 = self._codec_inflight
+            owners, audio, t0 = self._codec_inflight
             self._codec_inflight = None
             audio = np.asarray(audio)
             self.metrics.codec_seconds.observe(time.perf_counter() - t0)
             fl = self.codec.frame_length
             now = time.perf_counter()
-            for s, r in owners.items():
+            for i, (r, take) in enumerate(owners):
                 if r.t_first_audio is None:
                     r.t_first_audio = now
                     self.metrics.ttfa_seconds.observe(now - r.t_arrival)
-                r.sink("audio", audio[s, :take[s] * fl])
+                r.t_audio_end = max(r.t_audio_end, now) + take * fl / self.codec.cfg.sample_rate
+                r.sink("audio", audio[i, :take * fl])
         for s, r in enumerate(self.slots):
             if r is None or not r.chunk_done or r.pending:
                 continue

@@ -40,7 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-min-batch", type=int, default=6)
     ap.add_argument("--prefill-max-wait-ms", type=float, default=100.0)
     ap.add_argument("--codec-first-chunk", type=int, default=4, help="frames in a stream's first audio chunk")
-    ap.add_argument("--codec-chunk", type=int, default=16, help="frames in later audio chunks")
+    ap.add_argument("--codec-chunk", type=int, default=32,
+                    help="largest audio chunk in frames (chunk sizes double from --codec-first-chunk up to this)")
+    ap.add_argument("--codec-batch-sizes", type=int, nargs="+", default=[32],
+                    help="streams per codec call are padded to one of these (or to --max-streams)")
+    ap.add_argument("--codec-min-batch", type=int, default=32,
+                    help="ready streams that trigger a codec call when no stream is urgent")
+    ap.add_argument("--codec-lead-s", type=float, default=0.3,
+                    help="a stream whose sent audio plays out within this many seconds gets its next chunk now")
+    ap.add_argument("--pipeline-depth", type=int, default=1, choices=[0, 1],
+                    help="decode steps in flight while the host processes the previous one")
     ap.add_argument("--voices-dir", default=None, help="where uploaded voices are stored (default: a temp dir)")
     ap.add_argument("--allowed-local-media-path", default=None, help="directory file:// references may read")
     ap.add_argument("--benchmark-mode", action="store_true", help="accept ignore_eos / forced_frames")
@@ -137,7 +146,9 @@ def main(argv=None):
                        prefill_batch_sizes=tuple(sorted(args.prefill_batch_sizes)), prefill_chunk=args.prefill_chunk,
                        prefill_busy_streams=args.prefill_busy_streams, prefill_min_batch=args.prefill_min_batch,
                        prefill_max_wait_ms=args.prefill_max_wait_ms, codec_first_chunk=args.codec_first_chunk,
-                       codec_chunk=args.codec_chunk, benchmark_mode=args.benchmark_mode, dtype=args.dtype,
+                       codec_chunk=args.codec_chunk, codec_batch_sizes=tuple(args.codec_batch_sizes),
+                       codec_min_batch=args.codec_min_batch, codec_lead_s=args.codec_lead_s,
+                       pipeline_depth=args.pipeline_depth, benchmark_mode=args.benchmark_mode, dtype=args.dtype,
                        ssm_state_dtype=args.ssm_state_dtype,
                        backends=Backends.auto() if args.kernels == "auto" else Backends())
     engine = Engine(talker, tok, codec, cfg, metrics)

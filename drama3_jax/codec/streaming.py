@@ -53,6 +53,13 @@ def _step(graphdef, params, state, codes, n_new):
     return nnx.merge(graphdef, params).decode_step(state, codes, n_new)
 
 
+def _step_slots(graphdef, params, state, slots, codes, n_new):
+    """Step only the streams `slots` [n] (an index >= B is padding: it reads a clipped row, writes nothing)."""
+    sub = jax.tree.map(lambda x: jnp.take(x, slots, axis=0, mode="clip"), state)
+    audio, sub = nnx.merge(graphdef, params).decode_step(sub, codes, n_new)
+    return audio, jax.tree.map(lambda x, y: x.at[slots].set(y, mode="drop"), state, sub)
+
+
 def _reset(state, slots):
     return jax.tree.map(lambda x: jnp.where(slots.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros_like(x), x), state)
 
@@ -64,6 +71,7 @@ def _compiled():
     donate = (2,) if jax.default_backend() != "cpu" else ()
     return types.SimpleNamespace(
         step=jax.jit(_step, static_argnums=0, donate_argnums=donate),
+        step_slots=jax.jit(_step_slots, static_argnums=0, donate_argnums=donate),
         decode=jax.jit(lambda g, p, c: nnx.merge(g, p).decode(c), static_argnums=0),
         encode=jax.jit(lambda g, p, a: nnx.merge(g, p).encode(a), static_argnums=0),
         init=jax.jit(lambda g, p, b: nnx.merge(g, p).init_decode_state(b), static_argnums=(0, 2)),
@@ -135,6 +143,19 @@ class Codec:
                 raise ValueError(f"n_new must be [{B}] ints in [0, {T}], got {n_new}")
             n_new = jnp.asarray(n_new)
         return _compiled().step(self.graphdef, self.params, state, jnp.asarray(codes, jnp.int32), n_new)
+
+    def step_slots(self, state: DecodeState, slots, codes, n_new):
+        """Decode the next frames of some streams only: slots [n] int (an index >= the stream count is padding),
+        codes [n, K, T] int32, n_new [n] real frames per row. The cost is n x T frames however many streams the state
+        holds. -> (audio [n, T * frame_length] float32 device array, next state; donated on GPU)."""
+        slots, n_new = np.asarray(slots, np.int32), np.asarray(n_new, np.int32)
+        n, K, T = np.shape(codes)
+        if slots.shape != (n,) or n_new.shape != (n,) or K != self.cfg.n_codebooks:
+            raise ValueError(f"slots {slots.shape}, codes {np.shape(codes)}, n_new {n_new.shape} do not agree")
+        if n_new.min() < 0 or n_new.max() > T:
+            raise ValueError(f"n_new must be in [0, {T}], got {n_new}")
+        return _compiled().step_slots(self.graphdef, self.params, state, jnp.asarray(slots), jnp.asarray(codes,
+                                      jnp.int32), jnp.asarray(n_new))
 
     def reset(self, state: DecodeState, slots) -> DecodeState:
         """Zero the state of the streams where `slots` [B] bool is true (they restart at frame 0)."""

@@ -3,6 +3,7 @@ positions; only the new samples come back."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -63,3 +64,29 @@ def test_streams_at_different_positions(tiny_codec, tiny_codec_cfg):
         streamed = np.concatenate(got[s])
         assert streamed.shape[0] in (25 * fl, 27 * fl, 17 * fl, 10 * fl)
         np.testing.assert_allclose(streamed, one_shot[s, :streamed.shape[0]], rtol=0, atol=TOL)
+
+
+def test_step_slots_touches_only_its_streams(tiny_codec, tiny_codec_cfg):
+    """Stepping a subset of the streams (padded with out-of-range slot ids) equals stepping every stream with n_new = 0
+    elsewhere: the chosen streams get the same audio and state, the others' states are left exactly as they were."""
+    fl, S, T = tiny_codec.frame_length, 5, 6
+    warm = random_codes(tiny_codec_cfg, S, 7, seed=40)
+    _, base = tiny_codec.step(tiny_codec.init_state(S), warm)
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(base)]
+    slots, n_new = np.array([3, 0, S, S]), np.array([6, 2, 0, 0])  # two real rows, two padding rows
+    codes = random_codes(tiny_codec_cfg, 4, T, seed=41)
+    audio, after = tiny_codec.step_slots(base, slots, codes, n_new)
+    full_codes = np.zeros((S, 10, T), np.int32)
+    full_n = np.zeros(S, np.int32)
+    for i in range(2):
+        full_codes[slots[i]], full_n[slots[i]] = codes[i], n_new[i]
+    _, warm_again = tiny_codec.step(tiny_codec.init_state(S), warm)
+    ref_audio, ref_state = tiny_codec.step(warm_again, full_codes, full_n)
+    audio, ref_audio = np.asarray(audio), np.asarray(ref_audio)
+    for i in range(2):
+        np.testing.assert_allclose(audio[i, :n_new[i] * fl], ref_audio[slots[i], :n_new[i] * fl], rtol=0, atol=TOL)
+    for x, y, b in zip(jax.tree.leaves(after), jax.tree.leaves(ref_state), before):
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_allclose(x[[3, 0]], y[[3, 0]], rtol=0, atol=TOL)
+        np.testing.assert_array_equal(x[[1, 2, 4]], b[[1, 2, 4]])  # untouched, bit for bit
+    assert list(np.asarray(after.frames)) == [9, 7, 7, 13, 7]
