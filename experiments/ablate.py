@@ -1,0 +1,332 @@
+"""Ablation of the serving optimisations: the engine with every optimisation on ("full"), then with each one switched
+off in turn, driven in-process by the benchmark client's protocol (synthetic English set with forced lengths, closed
+loop at C streams, warm-up requests dropped). One table: audio s/s, TTFA, RTF, broken streams, decode step time,
+compile time, and each row's full engine configuration in the JSON.
+
+    python -m experiments.ablate --out DIR [--preset full|tiny] [--streams 128] [--configs full gdn_ref ...]
+        [--budget-s 480] [--engine prefill_chunk=128 ...]
+
+The model parts are built once; each configuration gets a fresh `Engine` (warm-up compile, run, shutdown, device
+memory freed). Requests are built from the benchmark client's request body the way serving/api.py builds them, and
+the figures come from `serving.bench.metrics.round_summary`, so they are defined exactly as `drama3-bench` defines
+them (chunk arrival = the engine's audio callback; bytes = samples * 2 as s16le). JSON and Markdown are rewritten
+after every configuration (partial results survive a time-out); a configuration that would not finish within
+--budget-s (judging by the quickest one run so far) is recorded as skipped. "decode ms/call" is the engine's
+`drama3_decode_step_seconds` (dispatch to rows on the host) over the timed rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import gc
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from drama3_jax.backbone import Backends  # noqa: E402
+from drama3_jax.prompt import build_prompt, normalize_text, split_long_text  # noqa: E402
+from drama3_jax.sampling import SamplingParams  # noqa: E402
+from experiments.common import command_line, log, save_json  # noqa: E402
+from serving.bench.client import Sampling, request_body  # noqa: E402
+from serving.bench.dataset import synthetic, warmup_requests  # noqa: E402
+from serving.bench.metrics import BYTES_PER_SAMPLE, Trace, average_rounds, round_summary  # noqa: E402
+from serving.engine import Engine, EngineConfig, Request  # noqa: E402
+
+
+def _backends(**kw) -> Callable[[EngineConfig], EngineConfig]:
+    return lambda c: dataclasses.replace(c, backends=dataclasses.replace(c.backends, **kw))
+
+
+# name: (what is switched off, the change to the full configuration); run in this order: the rows that reuse the
+# full configuration's compiled executables first, then those that recompile, the slowest last
+CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
+    "full": ("nothing (every optimisation on)", lambda c: c),
+    "admit_now": ("prefill admission policy -> admit every arrival at once",
+                  lambda c: dataclasses.replace(c, prefill_busy_streams=max(c.prefill_busy_streams, c.max_streams))),
+    "small_windows": ("growing codec windows -> fixed 4-frame windows",
+                      lambda c: dataclasses.replace(c, codec_first_chunk=4, codec_chunk=4)),
+    "codec_eager": ("adaptive codec calls -> every ready stream each tick, on the whole pool",
+                    lambda c: dataclasses.replace(c, codec_min_batch=1, codec_lead_s=0.0, codec_batch_sizes=())),
+    "sync_tick": ("pipelined engine tick -> synchronous tick",
+                  lambda c: dataclasses.replace(c, pipeline_depth=0)),
+    "gdn_ref": ("GDN Pallas kernels (prefill + decode) -> jnp reference", _backends(gdn_prefill="reference",
+                                                                                    gdn_decode="reference")),
+    "moe_xla": ("Pallas MoE -> XLA ragged_dot", _backends(moe="xla_ragged_dot")),
+    "sampling_ref": ("fused sampling kernel -> sort-based reference", _backends(sampling="reference")),
+    "ssm_fp32": ("bf16 GDN state -> fp32", lambda c: dataclasses.replace(c, ssm_state_dtype="float32")),
+    "one_frame": ("multi-frame decode -> one frame per host call",
+                  lambda c: dataclasses.replace(c, frames_per_step=1)),
+    "attention_ref": ("attention kernel -> jnp reference", _backends(attention="reference")),
+    "moe_ref": ("Pallas MoE -> jnp reference (gathers expert weights per token)", _backends(moe="reference")),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", choices=["full", "tiny"], default="full",
+                    help="full: full-size random-weight model built on the device; tiny: the embedded smoke model")
+    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                    help="configurations to run, in this order")
+    ap.add_argument("--streams", type=int, default=128, help="concurrency C = engine slots")
+    ap.add_argument("--requests", type=int, default=None, help="requests per timed round (default: --streams)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=8, help="distinct warm-up requests per configuration, dropped")
+    ap.add_argument("--frames-per-step", type=int, default=4, help="decode frames per host call in 'full'")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="frame cap; caps forced lengths as the client does (default: the set's longest)")
+    ap.add_argument("--max-prompt-rows", type=int, default=None,
+                    help="default: the set's longest prompt rounded up to the prefill chunk")
+    ap.add_argument("--engine", nargs="+", default=[], metavar="FIELD=VALUE",
+                    help="other EngineConfig fields of every configuration, e.g. prefill_batch_sizes=1,4,8 "
+                         "prefill_chunk=128 (Python literals)")
+    ap.add_argument("--ref-seconds", type=float, nargs=2, default=[3.0, 10.0], metavar=("MIN", "MAX"))
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic set")
+    ap.add_argument("--budget-s", type=float, default=math.inf,
+                    help="wall-time budget from start: a configuration is skipped when even the quickest one run so "
+                         "far would not finish within it")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per timed round before giving up")
+    ap.add_argument("--compilation-cache", default=os.path.join(tempfile.gettempdir(), "drama3-ablate-xla"),
+                    help="persistent XLA compilation cache shared by the configurations ('' disables)")
+    return ap
+
+
+# ------------------------------------------------------------------------------------------ requests
+def engine_request(body: dict, band_size: int, seed: int, sink) -> Request:
+    """The engine Request serving/api.py builds from a benchmark body (voice cloning from codes, forced length)."""
+    return Request(chunks=split_long_text(normalize_text(body["input"])),
+                   references=[(np.asarray(body["ref_audio_codes"], np.int32), body["ref_text"])],
+                   previous_takes=[],
+                   sampling=SamplingParams(body["temperature"], body["top_p"], body["top_k"]).validate(band_size),
+                   seed=seed, max_frames=body["max_new_tokens"], sink=sink, ignore_eos=body["ignore_eos"],
+                   forced_frames=body["forced_frames"])
+
+
+def drive(engine: Engine, bodies: list[dict], concurrency: int, timeout: float) -> tuple[list[Trace], list[str]]:
+    """Closed loop: submit in order with at most `concurrency` in flight; one Trace per body, and engine errors."""
+    frame_bytes = engine.codec.frame_length * BYTES_PER_SAMPLE
+    free = threading.Semaphore(concurrency)
+    traces, reqs, errors = [], [], []
+    deadline = time.perf_counter() + timeout
+
+    def sink(trace: Trace, kind: str, payload):
+        now = time.perf_counter()
+        if kind == "audio":
+            trace.chunks.append((now, payload.size * BYTES_PER_SAMPLE))
+            return
+        trace.end = now
+        if kind == "error":
+            trace.error = "engine_error"
+            errors.append(str(payload))
+        free.release()
+
+    for i, body in enumerate(bodies):
+        t = Trace(f"r{i}", time.perf_counter(), expected_bytes=body["forced_frames"] * frame_bytes)
+        traces.append(t)
+        if not free.acquire(timeout=max(0.0, deadline - time.perf_counter())):
+            t.error = "timeout"
+            continue
+        t.send = time.perf_counter()
+        try:
+            reqs.append(engine.submit(engine_request(body, engine.model_cfg.band_size, i,
+                                                     lambda k, p, t=t: sink(t, k, p))))
+            t.status = 200
+        except Exception as e:  # what the server answers 4xx/5xx; the stream never starts
+            t.error = type(e).__name__
+            errors.append(repr(e))
+            free.release()
+    while any(t.status == 200 and t.end is None for t in traces) and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    for t, r in zip([t for t in traces if t.status == 200], reqs):
+        if t.end is None:
+            engine.cancel(r)
+            t.error = "timeout"
+    return traces, errors
+
+
+def _histogram(engine: Engine, name: str) -> tuple[float, float]:
+    reg = engine.metrics.registry
+    return reg.get_sample_value(f"{name}_sum") or 0.0, reg.get_sample_value(f"{name}_count") or 0.0
+
+
+# ------------------------------------------------------------------------------------------ one configuration
+def run_config(talker, tok, codec, cfg: EngineConfig, timed: list[dict], warm: list[dict], args) -> dict:
+    """Build, compile, warm up, time `args.rounds` rounds, shut down and free the engine's device memory."""
+    engine = Engine(talker, tok, codec, cfg)
+    try:
+        compile_s = engine.warm_up()
+        engine.start()
+        warm_traces, errors = drive(engine, warm, cfg.max_streams, args.timeout) if warm else ([], [])
+        names = ("drama3_decode_step_seconds", "drama3_prefill_seconds", "drama3_codec_step_seconds")
+        before = {n: _histogram(engine, n) for n in names}
+        rounds = []
+        for _ in range(args.rounds):
+            traces, errs = drive(engine, timed, cfg.max_streams, args.timeout)
+            errors += errs
+            rounds.append(round_summary(traces, codec.cfg.sample_rate, codec.frame_length))
+        mean_ms = {}
+        for n in names:
+            (s0, c0), (s1, c1) = before[n], _histogram(engine, n)
+            mean_ms[n.removeprefix("drama3_").removesuffix("_seconds") + "_ms"] = (
+                1e3 * (s1 - s0) / (c1 - c0) if c1 > c0 else math.nan)
+        return {"status": "ok", "compile_s": compile_s, "summary": average_rounds(rounds), "rounds": rounds,
+                "mean_ms": mean_ms, "decode_frame_ms": mean_ms["decode_step_ms"] / cfg.frames_per_step,
+                "warmup": {"requests": len(warm_traces),
+                           "failed": sum(t.failure_key() is not None for t in warm_traces)},
+                "errors": sorted(set(errors))[:5]}
+    finally:
+        engine.shutdown(drain_timeout=0)
+        engine.pool = engine.codec_state = engine.prefiller = None
+        del engine
+        gc.collect()
+
+
+# ------------------------------------------------------------------------------------------ report
+def flat_config(cfg: EngineConfig) -> dict:
+    """EngineConfig fields, the backends as `backends.<op>`."""
+    d = dataclasses.asdict(cfg)
+    return {**{k: v for k, v in d.items() if k != "backends"}, **{f"backends.{k}": v for k, v in d["backends"].items()}}
+
+
+def changes(cfg: EngineConfig, base: EngineConfig) -> str:
+    """The fields where `cfg` differs from `base`, as `field: base -> cfg`."""
+    a, b = flat_config(base), flat_config(cfg)
+    return ", ".join(f"{k}: {a[k]} -> {b[k]}" for k in b if a[k] != b[k]) or "-"
+
+
+def markdown(result: dict) -> str:
+    f = lambda x, d=1: "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:,.{d}f}"
+    lines = [f"# Serving ablation ({result['preset']} model, {result['streams']} streams)", "",
+             f"Command: `{result['command']}`  ",
+             f"Device: {result['device']} ({result['device_kind']}), jax {result['jax']}, {result['date']}  ",
+             f"Protocol: {result['protocol']}  ", f"Full configuration: `{result['full_config']}`", "",
+             "| config | switched off | change | audio s/s | TTFA p50 ms | TTFA p90 ms | RTF p50 | broken | failed "
+             "| decode ms/call | ms/frame | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['off']} | {r['change']} | {r['status']}: {r['reason']} "
+                         "| | | | | | | | |")
+            continue
+        s = r["summary"]
+        lines.append(f"| {r['name']} | {r['off']} | {r['change']} | {f(s['audio_s_per_s'])} | "
+                     f"{f(s['ttfa_ms']['p50'], 0)} | {f(s['ttfa_ms']['p90'], 0)} | {f(s['rtf']['p50'], 3)} | "
+                     f"{s['broken']} | {s['requests'] - s['ok']} | {f(r['mean_ms']['decode_step_ms'], 2)} | "
+                     f"{f(r['decode_frame_ms'], 2)} | {f(r['compile_s'])} |")
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------------------------------ main
+def engine_overrides(items: list[str]) -> dict:
+    """`FIELD=VALUE` strings -> EngineConfig fields (values as Python literals, else strings)."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"backends"}
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise SystemExit(f"--engine {item}: not an EngineConfig field ({', '.join(sorted(fields))})")
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def build_parts(preset: str):
+    if preset == "tiny":
+        from serving.launch import tiny_random_parts
+
+        return tiny_random_parts(jnp.float32)
+    from drama3_jax.codec import full_codec_config
+    from drama3_jax.config import full_config
+    from serving.launch import random_parts_in_memory
+
+    return random_parts_in_memory(full_config(), full_codec_config(), jnp.bfloat16)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    t0 = time.perf_counter()
+    os.makedirs(args.out, exist_ok=True)
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    talker, tok, codec = build_parts(args.preset)
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(talker)))
+    log(f"{args.preset} model built in {time.perf_counter() - t0:.1f} s ({weights / 2**30:.2f} GiB of weights)")
+
+    mcfg, n_req = talker.cfg, args.requests or args.streams
+    sizes = (mcfg.band_size, min(codec.cfg.codebook_sizes[1:]))
+    reqs = synthetic(n_req, args.seed, sizes, ref_seconds=tuple(args.ref_seconds))
+    warm = warmup_requests(reqs, args.warmup)
+    longest = max(request_body(r, Sampling(), True, None)["forced_frames"] for r in reqs + warm)
+    sampling = Sampling(max_new_tokens=args.max_new_tokens or longest)
+    timed_bodies, warm_bodies = ([request_body(r, sampling, True, None) for r in rs] for rs in (reqs, warm))
+    base = EngineConfig(max_streams=args.streams, max_new_tokens=sampling.max_new_tokens,
+                        frames_per_step=args.frames_per_step, benchmark_mode=True, backends=Backends.auto(),
+                        dtype=str(jnp.dtype(talker.lm_head.weight[...].dtype)), ssm_state_dtype="bfloat16")
+    rows_needed = max(len(build_prompt(tok, mcfg, split_long_text(normalize_text(b["input"]))[0],
+                                       [(np.asarray(b["ref_audio_codes"]), b["ref_text"])]))
+                      for b in timed_bodies + warm_bodies)
+    base = dataclasses.replace(base, **engine_overrides(args.engine))
+    base = dataclasses.replace(base, max_prompt_rows=args.max_prompt_rows or
+                               -(-rows_needed // base.prefill_chunk) * base.prefill_chunk)
+    forced = [b["forced_frames"] for b in timed_bodies]
+    result = {
+        "command": command_line(args.out), "preset": args.preset, "device": str(jax.devices()[0]),
+        "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "streams": args.streams,
+        "weights_gib": weights / 2**30,
+        "protocol": (f"synthetic English set (seed {args.seed}, {n_req} requests, references {args.ref_seconds[0]:g}-"
+                     f"{args.ref_seconds[1]:g} s, forced lengths {min(forced)}-{max(forced)} frames, mean "
+                     f"{np.mean(forced):.0f}; longest prompt {rows_needed} rows), sampling "
+                     f"{dataclasses.asdict(sampling)}, closed loop at {args.streams} streams, {args.warmup} warm-up "
+                     f"requests dropped, {args.rounds} timed round(s)"),
+        "full_config": " ".join(f"{k}={v}" for k, v in flat_config(base).items()),
+        "rows": []}
+    walls = []  # wall times of the configurations run so far
+    for name in args.configs:
+        off, change = CONFIGS[name]
+        cfg = change(base)
+        row = {"name": name, "off": off, "change": changes(cfg, base), "engine_config": dataclasses.asdict(cfg)}
+        result["rows"].append(row)
+        elapsed, quickest = time.perf_counter() - t0, min(walls, default=0.0)
+        if name != "full" and cfg == base:
+            row.update(status="skipped", reason="same configuration as full")
+        elif elapsed + quickest >= args.budget_s:
+            row.update(status="skipped", reason=f"budget: {elapsed:.0f} s of {args.budget_s:.0f} s spent" +
+                       (f", the quickest configuration so far took {quickest:.0f} s" if walls else ""))
+        else:
+            log(f"{name}: {off} ({row['change']})")
+            t = time.perf_counter()
+            try:
+                row.update(run_config(talker, tok, codec, cfg, timed_bodies, warm_bodies, args))
+            except Exception as e:  # e.g. out of memory at compile: record it and go on
+                row.update(status="error", reason=repr(e)[:300])
+            row["wall_s"] = time.perf_counter() - t
+            walls.append(row["wall_s"])
+            live = sum(x.nbytes for x in jax.live_arrays()) / 2**30
+            log(f"{name}: {row['status']} in {row['wall_s']:.0f} s; live device arrays after freeing {live:.2f} GiB")
+        save_json(result, os.path.join(args.out, "ablate.json"))
+        with open(os.path.join(args.out, "ablate.md"), "w") as fh:
+            fh.write(markdown(result))
+    print(markdown(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
