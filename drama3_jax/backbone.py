@@ -206,7 +206,10 @@ class SparseMoe(nnx.Module):
 
     def route(self, x):
         """x [N, H] -> (topk_ids [N, k] int32, topk_weights [N, k] fp32)."""
-        logits = x.astype(jnp.float32) @ self.gate.weight[...].astype(jnp.float32).T
+        # bf16 x bf16 products are exact in fp32 and accumulate in fp32: the fp32 router math without an fp32 copy of
+        # the router weights per call
+        w = self.gate.weight[...]
+        logits = jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         probs = jax.nn.softmax(logits, axis=-1)
         w, ids = jax.lax.top_k(probs, self.top_k)
         return ids.astype(jnp.int32), w / jnp.sum(w, axis=-1, keepdims=True)
