@@ -27,12 +27,14 @@ Only this module knows about slots, queues and time; the math is `drama3_jax.gen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import jax
@@ -58,18 +60,23 @@ class EngineConfig:
     max_new_tokens: int = 2048  # frame cap per chunk of text
     frames_per_step: int = 1  # decode frames per host round trip
     pipeline_depth: int = 1  # decode steps in flight while the host processes the previous one (0 or 1)
+    compile_threads: int = 6  # warm-up compilations run at once
     prefill_batch_sizes: tuple[int, ...] = (1, 4)
-    prefill_chunk: int = 256  # prompt rows per prefill call (one compiled shape per batch size)
+    prefill_chunk: int = 512  # prompt rows per prefill call (one compiled shape per batch size)
     # admission policy: below `prefill_busy_streams` running streams admit at once; above it wait until
     # `prefill_min_batch` requests are queued or the oldest has waited `prefill_max_wait_ms`
     prefill_busy_streams: int = 32
     prefill_min_batch: int = 6
     prefill_max_wait_ms: float = 100.0
+    # a prefill stalls every running stream for its duration: admit only while each stream that is playing has at
+    # least this much audio buffered (new streams wait rather than running ones breaking)
+    admit_guard_s: float = 0.25
     codec_first_chunk: int = 4  # frames in a stream's first audio chunk
     codec_chunk: int = 32  # chunk sizes double from codec_first_chunk up to this
     codec_batch_sizes: tuple[int, ...] = (32,)  # streams per codec call are padded to one of these (or all)
     codec_min_batch: int = 32  # ready streams that trigger a codec call when none is urgent
-    codec_lead_s: float = 0.3  # a stream whose sent audio plays out within this is urgent
+    codec_lead_s: float = 0.1  # a stream whose sent audio plays out within this is urgent
+    stats_interval_s: float = 10.0  # log step / codec / prefill statistics this often (0: never)
     benchmark_mode: bool = False
     backends: Backends = Backends()
     dtype: str = "bfloat16"
@@ -192,41 +199,56 @@ class Engine:
         self._ids = itertools.count()
         self._steps_dispatched = 0
         self._inflight: deque = deque()  # (step index, rows on the device) not yet processed
-        self._codec_inflight = None  # (take [S], requests by slot, audio on the device) not yet delivered
+        self._codec_inflight = None  # ([(request, frames)], audio on the device, dispatch time) not yet delivered
+        self._stats = self._new_stats()
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def warm_up(self) -> float:
-        """Allocate the pools and compile every static shape the loop can use. Returns seconds spent."""
+        """Allocate the pools and compile every static shape the loop can use, `compile_threads` compilations at a
+        time (XLA compiles outside the GIL). Returns seconds spent."""
         t0 = time.perf_counter()
         S, K = self.cfg.max_streams, self.model_cfg.row_width
         self.pool = self._empty_pool()
         self.codec_state = self.codec.init_state(S)
-        t_part = time.perf_counter()
-        for b in self.cfg.prefill_batch_sizes:
+
+        def prefill(b):
             rows = np.zeros((b, self.cfg.prefill_chunk, K), np.int32)
             rows[:, :, 0] = self.model_cfg.eos_token_id
-            new = self.prefiller(rows, np.full((b,), 2, np.int32),
-                                 RequestSampling.make([SamplingParams()] * b, list(range(b))))
-            self.pool = self._insert(self.pool, new, jnp.asarray(np.full((b,), S, np.int32)))  # all dropped
-        log.info("warm-up: prefill compiled in %.1f s", time.perf_counter() - t_part)
-        t_part = time.perf_counter()
-        rows, self.pool = self._step(self.params, self.pool)
-        jax.block_until_ready(rows)
-        log.info("warm-up: decode step compiled in %.1f s", time.perf_counter() - t_part)
-        t_part = time.perf_counter()
-        for n in self.cfg.codec_batches:  # the serving path, every row padding: nothing changes
-            for T in self.cfg.codec_buckets:
-                codes = np.zeros((n, self.model_cfg.num_codebooks, T), np.int32)
-                audio, self.codec_state = self.codec.step_slots(self.codec_state, np.full(n, S), codes,
-                                                                np.zeros(n, np.int32))
-                jax.block_until_ready(audio)
-        self.codec_state = self.codec.reset(self.codec_state, np.ones(S, bool))
-        for n in self.cfg.encode_buckets:  # reference encodes (serving.references) pad to these lengths
-            self.codec.encode(np.zeros(n * self.codec.frame_length, np.float32), self.codec.cfg.sample_rate,
-                              bucket_frames=self.cfg.encode_bucket_frames)
-        log.info("warm-up: codec steps (streams %s x frames %s) and reference encodes %s compiled in %.1f s",
-                 self.cfg.codec_batches, self.cfg.codec_buckets, self.cfg.encode_buckets, time.perf_counter() - t_part)
+            return self.prefiller(rows, np.full((b,), 2, np.int32),
+                                  RequestSampling.make([SamplingParams()] * b, list(range(b))))
+
+        def decode():
+            rows, self.pool = self._step(self.params, self.pool)
+            return rows
+
+        def codec_step(n, T):  # the serving path on a throwaway state, every row padding
+            codes = np.zeros((n, self.model_cfg.num_codebooks, T), np.int32)
+            return self.codec.step_slots(self.codec.init_state(S), np.full(n, S), codes, np.zeros(n, np.int32))[0]
+
+        def encode(n):  # reference encodes (serving.references) pad to these lengths
+            return self.codec.encode(np.zeros(n * self.codec.frame_length, np.float32), self.codec.cfg.sample_rate,
+                                     bucket_frames=self.cfg.encode_bucket_frames)
+
+        jobs = {"decode step": decode}
+        jobs.update({f"prefill batch {b}": functools.partial(prefill, b) for b in self.cfg.prefill_batch_sizes})
+        jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
+                     for n in self.cfg.codec_batches for T in self.cfg.codec_buckets})
+        jobs.update({f"reference encode {n} frames": functools.partial(encode, n) for n in self.cfg.encode_buckets})
+
+        def timed(name, fn):
+            t = time.perf_counter()
+            out = jax.block_until_ready(fn())
+            log.info("warm-up: %s compiled and run in %.1f s", name, time.perf_counter() - t)
+            return out
+
+        with ThreadPoolExecutor(max_workers=max(1, self.cfg.compile_threads)) as ex:
+            results = {name: ex.submit(timed, name, fn) for name, fn in jobs.items()}
+            results = {name: f.result() for name, f in results.items()}
+        for b in self.cfg.prefill_batch_sizes:  # the scatter into the pool, all rows dropped
+            self.pool = self._insert(self.pool, results[f"prefill batch {b}"], jnp.asarray(np.full((b,), S, np.int32)))
+        jax.block_until_ready(self.pool)
         dt = time.perf_counter() - t0
+        log.info("warm-up: %d shapes compiled in %.1f s", len(jobs) + len(self.cfg.prefill_batch_sizes), dt)
         self.metrics.compile_seconds.set(dt)
         self.ready = True
         return dt
@@ -300,6 +322,7 @@ class Engine:
             while not self.stop_flag.is_set():
                 self._drop_cancelled_waiting()
                 admitted = self._admit()
+                self._log_stats()
                 if self.active_count() or self._inflight or self._codec_inflight:
                     self._tick()
                 elif not admitted:
@@ -312,6 +335,23 @@ class Engine:
                 for r in list(self.waiting) + [r for r in self.slots if r is not None]:
                     r.sink("error", f"engine failure: {e}")
                 self.waiting.clear()
+
+    @staticmethod
+    def _new_stats() -> dict:
+        return dict(t=time.perf_counter(), steps=0, codec_calls=0, codec_rows=0, codec_frames=0,
+                    codec_padded_frames=0, prefills=0, prefill_requests=0)
+
+    def _log_stats(self):
+        """Every `stats_interval_s`: decode steps/s, codec calls (frames used / computed), prefill calls."""
+        st, now = self._stats, time.perf_counter()
+        if not self.cfg.stats_interval_s or now - st["t"] < self.cfg.stats_interval_s:
+            return
+        dt = now - st["t"]
+        log.info("engine: %.1f decode steps/s (%d frames each), codec %.1f calls/s (%d frames of %d computed), "
+                 "prefill %.1f calls/s (%d requests), %d active, %d waiting", st["steps"] / dt,
+                 self.cfg.frames_per_step, st["codec_calls"] / dt, st["codec_frames"], st["codec_padded_frames"],
+                 st["prefills"] / dt, st["prefill_requests"], self.active_count(), len(self.waiting))
+        self._stats = self._new_stats()
 
     def _drop_cancelled_waiting(self):
         with self.lock:
@@ -333,10 +373,18 @@ class Engine:
         free = self.cfg.max_streams - self.active_count()
         if free == 0 or not self.waiting:
             return False
-        if self.continuations or self.active_count() < self.cfg.prefill_busy_streams:
+        if self._min_slack() < self.cfg.admit_guard_s:
+            return False
+        if self.active_count() < self.cfg.prefill_busy_streams:
             return True
         age_ms = (time.perf_counter() - self.waiting[0].t_arrival) * 1e3
         return len(self.waiting) >= self.cfg.prefill_min_batch or age_ms >= self.cfg.prefill_max_wait_ms
+
+    def _min_slack(self) -> float:
+        """Smallest buffered audio (seconds) among the streams that are playing and still generating."""
+        now = time.perf_counter()
+        return min((r.t_audio_end - now for r in self.slots
+                    if r is not None and r.t_first_audio is not None and not r.chunk_done), default=float("inf"))
 
     def _admit(self) -> bool:
         if not self._should_admit():
@@ -381,6 +429,8 @@ class Engine:
         if fresh_codec.any():
             self.codec_state = self.codec.reset(self.codec_state, fresh_codec)
         self.metrics.prefill_seconds.observe(time.perf_counter() - t0)
+        self._stats["prefills"] += 1
+        self._stats["prefill_requests"] += len(batch)
         self.metrics.prefill_batch.observe(len(batch))
         self.metrics.active.set(self.active_count())
         return True
@@ -405,6 +455,7 @@ class Engine:
         """Stop rules and frame bookkeeping on the rows [F, S, 1+K] of decode step `step`."""
         rows = np.asarray(rows)  # the one host transfer per step
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        self._stats["steps"] += 1
         eos, sem0 = self.model_cfg.eos_token_id, self.model_cfg.semantic_start_token_id
         n_frames = 0
         for s, r in enumerate(self.slots):
@@ -453,10 +504,12 @@ class Engine:
         for s, r in enumerate(self.slots):
             if r is None or not r.pending:
                 continue
-            starving = r.audio_chunks > 0 and r.t_audio_end - now < self.cfg.codec_lead_s
-            if r.chunk_done or starving or len(r.pending) >= self.cfg.codec_chunk_frames(r.audio_chunks):
-                ready.append((s, r, min(len(r.pending), cap)))
-                urgent |= r.chunk_done or starving or r.audio_chunks == 0
+            size = self.cfg.codec_chunk_frames(r.audio_chunks)
+            first, full = r.audio_chunks == 0, len(r.pending) >= size
+            starving = not first and r.t_audio_end - now < self.cfg.codec_lead_s
+            if r.chunk_done or starving or full:
+                ready.append((s, r, min(len(r.pending), cap if r.chunk_done else size)))
+                urgent |= r.chunk_done or starving or first
         if not ready or not (urgent or len(ready) >= min(self.cfg.codec_min_batch, self.active_count())):
             return
         n = next(b for b in self.cfg.codec_batches if b >= len(ready))
@@ -481,6 +534,11 @@ class Engine:
             self._codec_inflight = None
             audio = np.asarray(audio)
             self.metrics.codec_seconds.observe(time.perf_counter() - t0)
+            st = self._stats
+            st["codec_calls"] += 1
+            st["codec_rows"] += audio.shape[0]
+            st["codec_frames"] += sum(take for _, take in owners)
+            st["codec_padded_frames"] += audio.shape[0] * audio.shape[1] // self.codec.frame_length
             fl = self.codec.frame_length
             now = time.perf_counter()
             for i, (r, take) in enumerate(owners):

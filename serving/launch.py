@@ -35,10 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-input-chars", type=int, default=20_000)
     ap.add_argument("--frames-per-step", type=int, default=1, help="decode frames per host round trip")
     ap.add_argument("--prefill-batch-sizes", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--prefill-chunk", type=int, default=256, help="prompt rows per prefill call")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="prompt rows per prefill call")
     ap.add_argument("--prefill-busy-streams", type=int, default=32)
     ap.add_argument("--prefill-min-batch", type=int, default=6)
     ap.add_argument("--prefill-max-wait-ms", type=float, default=100.0)
+    ap.add_argument("--admit-guard-s", type=float, default=0.25,
+                    help="admit new requests only while every playing stream has this much audio buffered")
     ap.add_argument("--codec-first-chunk", type=int, default=4, help="frames in a stream's first audio chunk")
     ap.add_argument("--codec-chunk", type=int, default=32,
                     help="largest audio chunk in frames (chunk sizes double from --codec-first-chunk up to this)")
@@ -46,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="streams per codec call are padded to one of these (or to --max-streams)")
     ap.add_argument("--codec-min-batch", type=int, default=32,
                     help="ready streams that trigger a codec call when no stream is urgent")
-    ap.add_argument("--codec-lead-s", type=float, default=0.3,
+    ap.add_argument("--codec-lead-s", type=float, default=0.1,
                     help="a stream whose sent audio plays out within this many seconds gets its next chunk now")
+    ap.add_argument("--compile-threads", type=int, default=6, help="start-up compilations run at once")
     ap.add_argument("--pipeline-depth", type=int, default=1, choices=[0, 1],
                     help="decode steps in flight while the host processes the previous one")
     ap.add_argument("--voices-dir", default=None, help="where uploaded voices are stored (default: a temp dir)")
@@ -145,11 +148,12 @@ def main(argv=None):
                        max_new_tokens=args.max_new_tokens, frames_per_step=args.frames_per_step,
                        prefill_batch_sizes=tuple(sorted(args.prefill_batch_sizes)), prefill_chunk=args.prefill_chunk,
                        prefill_busy_streams=args.prefill_busy_streams, prefill_min_batch=args.prefill_min_batch,
-                       prefill_max_wait_ms=args.prefill_max_wait_ms, codec_first_chunk=args.codec_first_chunk,
+                       prefill_max_wait_ms=args.prefill_max_wait_ms, admit_guard_s=args.admit_guard_s,
+                       codec_first_chunk=args.codec_first_chunk,
                        codec_chunk=args.codec_chunk, codec_batch_sizes=tuple(args.codec_batch_sizes),
                        codec_min_batch=args.codec_min_batch, codec_lead_s=args.codec_lead_s,
-                       pipeline_depth=args.pipeline_depth, benchmark_mode=args.benchmark_mode, dtype=args.dtype,
-                       ssm_state_dtype=args.ssm_state_dtype,
+                       pipeline_depth=args.pipeline_depth, compile_threads=args.compile_threads,
+                       benchmark_mode=args.benchmark_mode, dtype=args.dtype, ssm_state_dtype=args.ssm_state_dtype,
                        backends=Backends.auto() if args.kernels == "auto" else Backends())
     engine = Engine(talker, tok, codec, cfg, metrics)
     voices = VoiceStore(args.voices_dir or tempfile.mkdtemp(prefix="drama3-voices-"))
