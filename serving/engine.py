@@ -161,6 +161,9 @@ class Engine:
         self.cfg = cfg
         self.metrics = metrics or Metrics()
         self.graphdef, self.params = nnx.split(model)
+        # a flat list of arrays dispatches ~6x faster than the nnx.State pytree (measured on CPU: 0.24 vs 1.5 ms per
+        # call for the 1,045 leaves of a 40-layer talker)
+        self._param_leaves, param_tree = jax.tree.flatten(self.params)
         S = cfg.max_streams
         backends = cfg.backends
         if cfg.pipeline_depth not in (0, 1):
@@ -170,7 +173,7 @@ class Engine:
             return jax.tree.map(lambda p, n: p.at[slots].set(n.astype(p.dtype), mode="drop"), pool, new)
 
         def step(params, pool):
-            model = nnx.merge(self.graphdef, params)
+            model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, params))
 
             def body(s, _):
                 row, s = frame_step(model, s, backends)
@@ -218,7 +221,7 @@ class Engine:
                                   RequestSampling.make([SamplingParams()] * b, list(range(b))))
 
         def decode():
-            rows, self.pool = self._step(self.params, self.pool)
+            rows, self.pool = self._step(self._param_leaves, self.pool)
             return rows
 
         def codec_step(n, T):  # the serving path on a throwaway state, every row padding
@@ -447,7 +450,7 @@ class Engine:
 
     def _dispatch_step(self):
         t0 = time.perf_counter()
-        rows, self.pool = self._step(self.params, self.pool)
+        rows, self.pool = self._step(self._param_leaves, self.pool)
         self._inflight.append((self._steps_dispatched, rows, t0))
         self._steps_dispatched += 1
 
