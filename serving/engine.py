@@ -10,12 +10,12 @@ One tick of the engine thread (`pipeline_depth` = 1, the default):
      cancellation), one-frame hold-back for the semantic-0-before-EOS rule;
   3. audio: collect the codec output dispatched in the previous tick (queued on the device before step n), push PCM
      to each request's queue, then finish ended chunks (release the slot, or hand over to the next text chunk);
-  4. codec: one batched streaming-decode call over just the streams with a chunk ready (their codec state gathered
-     from the pool; stream count and frames padded to small static sets). A stream's chunks grow from
-     `codec_first_chunk` frames by doubling up to `codec_chunk`. A call costs several ms however small it is, so the
-     codec runs only when it must: a first chunk is ready (time-to-first-audio), a text chunk ended (flush, frees
-     the slot), a stream's client-side buffer would run dry within `codec_lead_s` (counting real-time playback from
-     its first chunk), or `codec_min_batch` streams are ready;
+  4. codec: a streaming-decode call costs ~7 ms on the H200 however few frames it decodes, and its cost grows with
+     streams x frames including padding (experiments/results/codec_throughput.md), so calls are few and full: every
+     `codec_period` decode steps one call takes every playing stream's pending frames; in between, a call runs only
+     for streams whose first chunk (`codec_first_chunk` frames: time-to-first-audio) is ready or whose text chunk
+     ended (flush: frees the slot), and takes only those. Just the called streams' codec state is gathered from the
+     pool; stream counts and frames are padded to small static sets;
   5. admit: if the admission policy says so, prefill a batch of queued prompts (bucketed: batch sizes and prompt
      lengths from small static sets) and scatter them into free slots; their first valid step is n+1.
 So the device always has a step queued while the host works. `pipeline_depth` = 0 runs the same tick synchronously
@@ -72,10 +72,9 @@ class EngineConfig:
     # least this much audio buffered (new streams wait rather than running ones breaking)
     admit_guard_s: float = 0.25
     codec_first_chunk: int = 4  # frames in a stream's first audio chunk
-    codec_chunk: int = 32  # chunk sizes double from codec_first_chunk up to this
-    codec_batch_sizes: tuple[int, ...] = (32,)  # streams per codec call are padded to one of these (or all)
-    codec_min_batch: int = 32  # ready streams that trigger a codec call when none is urgent
-    codec_lead_s: float = 0.1  # a stream whose sent audio plays out within this is urgent
+    codec_period: int = 8  # decode steps between the calls that serve every playing stream
+    codec_chunk: int = 16  # most frames of one stream per codec call (at least one period's frames)
+    codec_batch_sizes: tuple[int, ...] = (8,)  # streams per codec call are padded to one of these (or all)
     stats_interval_s: float = 10.0  # log step / codec / prefill statistics this often (0: never)
     benchmark_mode: bool = False
     backends: Backends = Backends()
@@ -90,18 +89,11 @@ class EngineConfig:
     encode_bucket_frames: int = 224  # reference audio is encoded in multiples of this many frames (~10.4 s)
     max_reference_frames: int = 672  # ~31 s
 
-    def codec_chunk_frames(self, i: int) -> int:
-        """Frames in a stream's i-th audio chunk: codec_first_chunk doubling up to codec_chunk."""
-        return min(self.codec_chunk, self.codec_first_chunk * 2 ** min(i, 30))
-
     @property
     def codec_buckets(self) -> tuple[int, ...]:
-        """Frame counts per codec call (every chunk size of the schedule)."""
-        sizes, i = {self.codec_chunk}, 0
-        while self.codec_chunk_frames(i) < self.codec_chunk:
-            sizes.add(self.codec_chunk_frames(i))
-            i += 1
-        return tuple(sorted(sizes))
+        """Frame counts per codec call: a first chunk, one period's frames, the per-call cap."""
+        period = self.codec_period * self.frames_per_step
+        return tuple(sorted({self.codec_first_chunk, period, max(period, self.codec_chunk)}))
 
     @property
     def codec_batches(self) -> tuple[int, ...]:
@@ -166,6 +158,8 @@ class Engine:
         self._param_leaves, param_tree = jax.tree.flatten(self.params)
         S = cfg.max_streams
         backends = cfg.backends
+        if cfg.codec_period < 1 or cfg.codec_first_chunk < 1 or cfg.codec_chunk < 1:
+            raise ValueError("codec_period, codec_first_chunk and codec_chunk must be >= 1")
         if cfg.pipeline_depth not in (0, 1):
             raise ValueError(f"pipeline_depth must be 0 or 1, got {cfg.pipeline_depth}")
 
@@ -204,6 +198,7 @@ class Engine:
         self._inflight: deque = deque()  # (step index, rows on the device) not yet processed
         self._codec_inflight = None  # ([(request, frames)], audio on the device, dispatch time) not yet delivered
         self._stats = self._new_stats()
+        self._codec_countdown = cfg.codec_period  # decode steps until the next call for every playing stream
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def warm_up(self) -> float:
@@ -500,20 +495,20 @@ class Engine:
         r.chunk_done = True
 
     def _dispatch_codec(self):
-        """One streaming-decode call over the streams with a chunk ready, when some stream needs it now (see the
-        module docstring) or enough are ready; only those streams' codec state is gathered and stepped."""
-        cap, now = self.cfg.codec_buckets[-1], time.perf_counter()
-        ready, urgent = [], False
+        """One streaming-decode call (see the module docstring for when, and for which streams)."""
+        self._codec_countdown -= 1
+        periodic = self._codec_countdown <= 0
+        cap = self.cfg.codec_buckets[-1]
+        ready = []
         for s, r in enumerate(self.slots):
             if r is None or not r.pending:
                 continue
-            size = self.cfg.codec_chunk_frames(r.audio_chunks)
-            first, full = r.audio_chunks == 0, len(r.pending) >= size
-            starving = not first and r.t_audio_end - now < self.cfg.codec_lead_s
-            if r.chunk_done or starving or full:
-                ready.append((s, r, min(len(r.pending), cap if r.chunk_done else size)))
-                urgent |= r.chunk_done or starving or first
-        if not ready or not (urgent or len(ready) >= min(self.cfg.codec_min_batch, self.active_count())):
+            first_ready = r.audio_chunks == 0 and len(r.pending) >= self.cfg.codec_first_chunk
+            if r.chunk_done or first_ready or (periodic and r.audio_chunks > 0):
+                ready.append((s, r, min(len(r.pending), cap)))
+        if periodic:
+            self._codec_countdown = self.cfg.codec_period
+        if not ready:
             return
         n = next(b for b in self.cfg.codec_batches if b >= len(ready))
         T = next(t for t in self.cfg.codec_buckets if t >= max(take for _, _, take in ready))
