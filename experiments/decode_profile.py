@@ -11,6 +11,7 @@ scopes of `frame_step`: moe_experts, gdn_core, attention_core, sampling, ...) be
 
     python experiments/decode_profile.py --out DIR --phase timing [--slots 1 64 128 256] [--variants ...]
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python experiments/decode_profile.py --out DIR --phase profile
+    python experiments/decode_profile.py --out DIR --plot-from DIR/decode_timing.json   (redraw a PNG from results)
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def profile(step, params, state, hlo_text: str, n_steps: int, trace_dir: str) ->
             "gpu_span_ms_per_step": span, "n_events": len(events), "top_ops": top}
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--phase", choices=["timing", "profile"], default="timing")
@@ -223,7 +224,12 @@ def main():
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--preset", default="full", help="model shapes (tiny: a CPU smoke run of this script)")
     ap.add_argument("--budget-s", type=float, default=1e9)
-    args = ap.parse_args()
+    ap.add_argument("--plot-from", help="only draw the PNG of this decode_timing.json / decode_profile.json")
+    args = ap.parse_args(argv)
+    if args.plot_from:
+        with open(args.plot_from) as f:
+            R = json.load(f)
+        return write_plot(R, os.path.join(args.out, f"decode_{R['phase']}.png"))
     os.makedirs(args.out, exist_ok=True)
     t_start = time.time()
     cfg = preset(args.preset)
@@ -271,6 +277,43 @@ def main():
         log({k: v for k, v in row.items() if k not in ("top_ops", "categories", "backends")})
         save_json(R, out_json)
     write_markdown(R, os.path.join(args.out, f"decode_{args.phase}.md"))
+    write_plot(R, os.path.join(args.out, f"decode_{args.phase}.png"))
+
+
+def write_plot(R: dict, path: str):
+    """timing: ms per step vs slots per variant, with the roofline; profile: kernel ms vs roofline ms by category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if R["phase"] == "timing":
+        rows = [r for r in R["rows"] if "step_ms" in r]
+        for v in sorted({r["variant"] for r in rows}):
+            pts = sorted((r["slots"], r["step_ms"]) for r in rows if r["variant"] == v)
+            ax.plot(*zip(*pts), "o-", label=v)
+        roof = sorted({(r["slots"], r["roofline_ms"]) for r in rows if r["ssm_state_dtype"] == "bfloat16"})
+        if roof:
+            ax.plot(*zip(*roof), "k--", label="roofline (bf16 state)")
+        ax.set_xlabel("slots (streams)")
+        ax.set_ylabel("ms per decode step")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    else:
+        r = next(r for r in R["rows"] if "categories" in r)
+        cats = sorted(r["categories"].items(), key=lambda kv: -kv[1]["kernel_ms"])
+        names = [c for c, _ in cats]
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [v["kernel_ms"] for _, v in cats], 0.4, label="measured kernel time")
+        ax.bar([i + 0.2 for i in x], [v.get("roofline_ms", 0.0) for _, v in cats], 0.4, label="roofline")
+        ax.set_xticks(list(x), names, rotation=45, ha="right")
+        ax.set_ylabel(f"ms per decode step ({r['slots']} slots)")
+        ax.legend()
+    ax.set_title(f"decode step {R['phase']}, {R['device']}, {R['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_markdown(R: dict, path: str):
@@ -292,8 +335,9 @@ def write_markdown(R: dict, path: str):
             if "categories" not in r:
                 lines.append(f"{r['variant']} @ {r['slots']}: {r.get('error') or r.get('skipped')}")
                 continue
-            lines += [f"## {r['variant']}, {r['slots']} slots: GPU busy {sum(r['kernel_ms_per_step'].values()) + r['unattributed_ms_per_step']:.2f} "
-                      f"ms per step, kernel span {r['gpu_span_ms_per_step']:.2f} ms", "",
+            busy = sum(r["kernel_ms_per_step"].values()) + r["unattributed_ms_per_step"]
+            lines += [f"## {r['variant']}, {r['slots']} slots: GPU busy {busy:.2f} ms per step, kernel span "
+                      f"{r['gpu_span_ms_per_step']:.2f} ms", "",
                       "| category | kernel ms/step | roofline ms | % of roofline | bytes (GB) | GFLOP |",
                       "|---|---|---|---|---|---|"]
             cats = sorted(r["categories"].items(), key=lambda kv: -kv[1]["kernel_ms"])

@@ -336,7 +336,7 @@ class Engine:
 
     @staticmethod
     def _new_stats() -> dict:
-        return dict(t=time.perf_counter(), steps=0, codec_calls=0, codec_rows=0, codec_frames=0,
+        return dict(t=time.perf_counter(), steps=0, codec_calls=0, codec_frames=0,
                     codec_padded_frames=0, prefills=0, prefill_requests=0)
 
     def _log_stats(self):
@@ -532,11 +532,14 @@ class Engine:
             self._codec_inflight = None
             audio = np.asarray(audio)
             self.metrics.codec_seconds.observe(time.perf_counter() - t0)
+            used = sum(take for _, take in owners)
+            computed = audio.shape[0] * audio.shape[1] // self.codec.frame_length
+            self.metrics.codec_frames.labels(kind="used").inc(used)
+            self.metrics.codec_frames.labels(kind="computed").inc(computed)
             st = self._stats
             st["codec_calls"] += 1
-            st["codec_rows"] += audio.shape[0]
-            st["codec_frames"] += sum(take for _, take in owners)
-            st["codec_padded_frames"] += audio.shape[0] * audio.shape[1] // self.codec.frame_length
+            st["codec_frames"] += used
+            st["codec_padded_frames"] += computed
             fl = self.codec.frame_length
             now = time.perf_counter()
             for i, (r, take) in enumerate(owners):

@@ -26,6 +26,8 @@ class Metrics:
                                        buckets=(1, 2, 4, 8, 16, 32), registry=r)
         self.codec_seconds = Histogram("drama3_codec_step_seconds", "one streaming codec call", buckets=_STEP,
                                        registry=r)
+        self.codec_frames = Counter("drama3_codec_frames", "stream-frames through the codec: used = real frames, "
+                                    "computed = including padding rows and frames", ["kind"], registry=r)
         self.compile_seconds = Gauge("drama3_warmup_compile_seconds", "start-up compilation time", registry=r)
         self.compilations = Counter("drama3_xla_compilations", "XLA backend compilations in this process",
                                     registry=r)

@@ -33,7 +33,7 @@ def sync_engine():
     talker, tok, codec = tiny_random_parts(jnp.float32)
     eng = Engine(talker, tok, codec, EngineConfig(max_streams=4, max_new_tokens=10, max_prompt_rows=512,
                                                   prefill_chunk=128, prefill_batch_sizes=(1,), codec_first_chunk=4,
-                                                  codec_chunk=8, pipeline_depth=0))
+                                                  codec_chunk=8, codec_period=4, pipeline_depth=0))
     eng.start()
     yield eng
     eng.shutdown(5)
@@ -82,6 +82,31 @@ def test_long_text_is_generated_chunk_by_chunk(which, request):
     np.testing.assert_array_equal(served, codes)
     sizes = np.array(engine.codec.cfg.codebook_sizes)[:, None]
     np.testing.assert_allclose(audio, engine.codec.decode(np.minimum(codes, sizes - 1)), atol=1e-4)
+
+
+def _sample_value(metric, suffix: str, **labels) -> float:
+    return sum(s.value for m in metric.collect() for s in m.samples
+               if s.name.endswith(suffix) and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def test_codec_runs_per_period_not_per_frame(sync_engine):
+    """10 forced frames with codec_period 4: a first chunk, calls every 4 steps, a flush (at most 5 calls, not 10),
+    and every frame decoded exactly once."""
+    m = sync_engine.metrics
+    calls0, used0 = _sample_value(m.codec_seconds, "_count"), _sample_value(m.codec_frames, "_total", kind="used")
+    out = []
+    sync_engine.submit(Request(chunks=["Count the codec calls."], references=[], previous_takes=[],
+                               sampling=SamplingParams(), seed=5, max_frames=10, forced_frames=10,
+                               sink=lambda k, p: out.append((k, p))))
+    deadline = time.time() + 300
+    while not any(k in ("done", "error") for k, _ in out):
+        assert time.time() < deadline
+        time.sleep(0.02)
+    assert out[-1][0] == "done"
+    audio = sum(len(p) for k, p in out if k == "audio")
+    assert audio == 10 * sync_engine.codec.frame_length
+    assert _sample_value(m.codec_frames, "_total", kind="used") - used0 == 10
+    assert 2 <= _sample_value(m.codec_seconds, "_count") - calls0 <= 5
 
 
 def _talker(engine):

@@ -1,0 +1,28 @@
+"""experiments/decode_profile.py on the tiny preset (CPU): the timing table and the trace breakdown by category."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import decode_profile
+
+
+def test_timing_and_profile_phases(tmp_path):
+    common = ["--out", str(tmp_path), "--preset", "tiny", "--slots", "3", "--context", "16", "--max-len", "64"]
+    decode_profile.main(common + ["--phase", "timing", "--variants", "pallas_bf16"])
+    timing = json.loads((tmp_path / "decode_timing.json").read_text())
+    (row,) = timing["rows"]
+    assert "error" not in row, row.get("error")
+    assert row["slots"] == 3 and row["step_ms"] > 0 and row["roofline_ms"] > 0
+    assert "| pallas_bf16 | 3 |" in (tmp_path / "decode_timing.md").read_text()
+    assert (tmp_path / "decode_timing.png").stat().st_size > 0
+
+    decode_profile.main(common + ["--phase", "profile", "--variants", "pallas_bf16", "--profile-steps", "2"])
+    (row,) = json.loads((tmp_path / "decode_profile.json").read_text())["rows"]
+    assert "error" not in row, row.get("error")
+    ms = row["kernel_ms_per_step"]
+    for category in ("moe_experts", "gdn_core", "attention_core", "sampling", "tower", "backbone"):
+        assert ms.get(category, 0) > 0, (category, ms)
+    assert sum(ms.values()) > row["unattributed_ms_per_step"]  # most thunk time maps to a named scope
+    assert row["categories"]["moe_experts"]["bytes"] > 0
+    assert (tmp_path / "decode_profile.png").stat().st_size > 0
