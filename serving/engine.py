@@ -60,7 +60,9 @@ class EngineConfig:
     max_new_tokens: int = 2048  # frame cap per chunk of text
     frames_per_step: int = 1  # decode frames per host round trip
     pipeline_depth: int = 1  # decode steps in flight while the host processes the previous one (0 or 1)
-    compile_threads: int = 6  # warm-up compilations run at once
+    # warm-up compilations run at once. 1 by default: on the H200 a cold start with 6 threads was not faster than
+    # the serial one (experiments/results/full_size_h200.md, run B), since XLA's compiler already uses every core
+    compile_threads: int = 1
     prefill_batch_sizes: tuple[int, ...] = (1, 4)
     prefill_chunk: int = 512  # prompt rows per prefill call (one compiled shape per batch size)
     # admission policy: below `prefill_busy_streams` running streams admit at once; above it wait until

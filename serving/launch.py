@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode steps between the codec calls that serve every playing stream")
     ap.add_argument("--codec-batch-sizes", type=int, nargs="+", default=[8],
                     help="streams per codec call are padded to one of these (or to --max-streams)")
-    ap.add_argument("--compile-threads", type=int, default=6, help="start-up compilations run at once")
+    ap.add_argument("--compile-threads", type=int, default=1, help="start-up compilations run at once")
     ap.add_argument("--pipeline-depth", type=int, default=1, choices=[0, 1],
                     help="decode steps in flight while the host processes the previous one")
     ap.add_argument("--voices-dir", default=None, help="where uploaded voices are stored (default: a temp dir)")
