@@ -29,11 +29,10 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import command_line, log, save_json  # noqa: E402
+from experiments.common import command_line, guard, log, save_json  # noqa: E402
 
 HBM_BPS = 4.2e12
 HQ, HKV, D, L = 16, 2, 256, 4100
@@ -57,17 +56,6 @@ T0 = time.time()
 
 def save(out):
     save_json(R, os.path.join(out, "attention_bench.json"))
-
-
-def guard(name, fn, *a, **k):
-    try:
-        return fn(*a, **k)
-    except Exception as e:  # keep going: one failing variant must not cost the whole device call
-        msg = f"{name}: {type(e).__name__}: {str(e)[:1500]}"
-        log("ERROR", msg)
-        traceback.print_exc(limit=4)
-        R["errors"].append(msg)
-        return None
 
 
 def lengths(np, pattern, B, seed=0):
@@ -117,7 +105,7 @@ def phase_check(jax, jnp, np):
                            finite=bool(np.isfinite(o).all()), zero_rows_exact=bool((o[kv <= 0] == 0).all()))
                 R["check"].append(row)
                 log("check", row)
-            guard(f"check B={B} {impl}", run)
+            guard(R["errors"], f"check B={B} {impl}", run)
 
 
 def phase_time(jax, jnp, np, args):
@@ -165,7 +153,7 @@ def phase_time(jax, jnp, np, args):
                         f"  {100 * row['frac_roofline']:5.1f}%")
                 R["meta"].setdefault("compile_and_time_s", {})[f"{B}/{impl}"] = round(time.time() - t_c, 1)
                 save(args.out)
-            guard(f"time B={B} {impl}", run)
+            guard(R["errors"], f"time B={B} {impl}", run)
         caches = None  # free this B's pool before the next
 
 
@@ -239,9 +227,9 @@ def main():
                      device=d.device_kind, platform=d.platform, jax=jax.__version__, hbm_roofline_Bps=HBM_BPS,
                      shapes=dict(Hq=HQ, Hkv=HKV, D=D, L=L), tuning=pallas_triton.TUNING, configs=CONFIGS)
     log("device", d.device_kind)
-    guard("check", phase_check, jax, jnp, np)
+    guard(R["errors"], "check", phase_check, jax, jnp, np)
     save(args.out)
-    guard("time", phase_time, jax, jnp, np, args)
+    guard(R["errors"], "time", phase_time, jax, jnp, np, args)
     save(args.out)
     print(report(args.out))
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the experiment scripts: the reproducible command line, a timestamped log, JSON results."""
+"""Helpers shared by the experiment scripts: the reproducible command line, a timestamped log, JSON results, and
+`guard` (a failing variant is recorded, the run goes on)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 _T0 = time.time()
 
@@ -23,3 +25,16 @@ def log(*parts) -> None:
 def save_json(obj, path: str) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=1, default=str)
+
+
+def guard(errors: list, name: str, fn, *a, **k):
+    """fn(*a, **k), or None after logging the failure and appending it to `errors`: one failing variant must not cost
+    the whole device call."""
+    try:
+        return fn(*a, **k)
+    except Exception as e:
+        msg = f"{name}: {type(e).__name__}: {str(e)[:1500]}"
+        log("ERROR", msg)
+        traceback.print_exc(limit=4)
+        errors.append(msg)
+        return None

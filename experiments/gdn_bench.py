@@ -28,11 +28,10 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import command_line, log, save_json  # noqa: E402
+from experiments.common import command_line, guard, log, save_json  # noqa: E402
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch/FLA in the same process
 
 HK, HV, D, KC = 16, 32, 128, 4
@@ -57,17 +56,6 @@ T0 = time.time()
 
 def save(out):
     save_json(R, os.path.join(out, "gdn_bench.json"))
-
-
-def guard(name, fn, *a, **k):
-    try:
-        return fn(*a, **k)
-    except Exception as e:  # keep going: one failing variant must not cost the whole device call
-        msg = f"{name}: {type(e).__name__}: {str(e)[:1500]}"
-        log("ERROR", msg)
-        traceback.print_exc(limit=4)
-        R["errors"].append(msg)
-        return None
 
 
 # ------------------------------------------------------------------------------------------------ byte / flop counts
@@ -181,7 +169,7 @@ def phase_check(jax, jnp, np, args):
                     nan=bool(np.isnan(np.asarray(o)).any()))
                 R["check"][f"decode_{jnp.dtype(sdt).name}_{name}"] = res
                 log("check decode", jnp.dtype(sdt).name, name, res)
-            guard(f"check decode {name}", run)
+            guard(R["errors"], f"check decode {name}", run)
     # prefill: ragged B=3 batch, T=300, lengths 300/131/1, initial state
     B, T = 3, 300
     q, k, v, g, beta, s0 = prefill_inputs(jax, jnp, B, T, seed=3)
@@ -202,7 +190,7 @@ def phase_check(jax, jnp, np, args):
                        nan=bool(np.isnan(o).any()))
             R["check"][f"prefill_{name}"] = res
             log("check prefill", name, res)
-        guard(f"check prefill {name}", run)
+        guard(R["errors"], f"check prefill {name}", run)
 
 
 def phase_decode(jax, jnp, np, args):
@@ -255,7 +243,7 @@ def phase_decode(jax, jnp, np, args):
                     save(args.out)
                     log(f"decode B={B:3d} {row['state']:8s} {name:16s} {t * 1e3:8.4f} ms  "
                         f"{row['TBps']:.2f} TB/s  {100 * row['frac_roofline']:.0f}% of roofline")
-                guard(f"decode {B} {name}", run)
+                guard(R["errors"], f"decode {B} {name}", run)
 
 
 def phase_prefill(jax, jnp, np, args):
@@ -294,7 +282,7 @@ def phase_prefill(jax, jnp, np, args):
             save(args.out)
             log(f"prefill B={B} T={T:5d} {name:12s} {t * 1e3:8.3f} ms  ({row['Mtok_s']:.1f} M tok/s, "
                 f"roofline {roof * 1e3:.3f} ms)")
-        guard(f"prefill {B}x{T} {name}", run)
+        guard(R["errors"], f"prefill {B}x{T} {name}", run)
 
 
 def phase_ablation(jax, jnp, np, args):
@@ -440,7 +428,7 @@ def phase_fla(jax, jnp, np, args):
             rows.append(row)
             save(args.out)
             log("fla prefill", row)
-        guard(f"fla prefill {B}x{T}", run)
+        guard(R["errors"], f"fla prefill {B}x{T}", run)
     rows = R["fla"]["decode"]
     for B in ([128] if args.quick else [128, 1, 32, 256]):
         if time.time() - T0 > args.fla_budget:
@@ -467,7 +455,7 @@ def phase_fla(jax, jnp, np, args):
             rows.append(row)
             save(args.out)
             log("fla decode", row)
-        guard(f"fla decode {B}", run)
+        guard(R["errors"], f"fla decode {B}", run)
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -628,7 +616,7 @@ def main():
             log("fla warm-up rc", warm.returncode)
             warm = None
         log("phase", p)
-        guard(f"phase {p}", table[p], jax, jnp, np, args)
+        guard(R["errors"], f"phase {p}", table[p], jax, jnp, np, args)
         save(args.out)
     print(report(args.out))
     save(args.out)

@@ -22,6 +22,7 @@ import pytest
 
 from kernels.dispatch import pick_backend
 from kernels.gdn import api, pallas_triton, reference
+from kernels.h200_lowering import lower_for_h200
 
 f32 = jnp.float32
 # jitted references (eager op-by-op dispatch would dominate the test time)
@@ -244,22 +245,15 @@ def test_triton_lowering_full_shapes_for_h200():
     sd = jax.ShapeDtypeStruct
     B, T, S, hk, hv, d, K = 4, 300, 8, 16, 32, 128, 4
     C = 2 * hk * d + hv * d
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
     bf = jnp.bfloat16
-
-    def lower(f, *args, donate=()):
-        with jax.sharding.use_abstract_mesh(mesh):
-            return jax.jit(f, donate_argnums=donate).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
     for sdt in (f32, bf):
-        txt = lower(lambda x, a, b, c, s, w, al, dt, sl: pallas_triton.gdn_decode_step_triton(
+        txt = lower_for_h200(lambda x, a, b, c, s, w, al, dt, sl: pallas_triton.gdn_decode_step_triton(
             x, a, b, c, s, w, al, dt, num_k_heads=hk, head_k_dim=d, head_v_dim=d, slots=sl),
             sd((B, C), bf), sd((B, hv), bf), sd((B, hv), bf), sd((S, K - 1, C), bf), sd((S, hv, d, d), sdt),
             sd((C, K), bf), sd((hv,), f32), sd((hv,), f32), sd((B,), jnp.int32), donate=(3, 4))
         assert txt.count("__gpu$xla.gpu.triton") == 1 and "output_operand_aliases" in txt
     for dot in ("bfloat16", "tf32"):
-        txt = lower(lambda q, k, v, g, be, s0, ln: pallas_triton.gated_delta_chunk_prefill_triton(
+        txt = lower_for_h200(lambda q, k, v, g, be, s0, ln: pallas_triton.gated_delta_chunk_prefill_triton(
             q, k, v, g, be, s0, ln, dot=dot), sd((B, T, hk, d), bf), sd((B, T, hk, d), bf), sd((B, T, hv, d), bf),
             sd((B, T, hv), f32), sd((B, T, hv), f32), sd((B, hv, d, d), f32), sd((B,), jnp.int32))
         assert txt.count("__gpu$xla.gpu.triton") == 3  # inverse, w/u operands, state pass

@@ -23,6 +23,7 @@ from scipy.stats import chisquare
 
 from drama3_jax import sampling as S
 from kernels.dispatch import pick_backend
+from kernels.h200_lowering import lower_for_h200
 from kernels.sampling import api, pallas_triton, reference
 from tests.test_sampling import slow_keep
 
@@ -251,17 +252,13 @@ def test_triton_lowering_full_shapes_for_h200():
     """Both kernels lower to one Triton custom call each at Drama 3 shapes (128 streams: main 4097 + RAS window 16,
     9 x 128 head rows of 4096) for an abstract H200."""
     sd = jax.ShapeDtypeStruct
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), abstract_device=dev)
     B, H = 128, 9
-    with jax.sharding.use_abstract_mesh(mesh):
-        rows = jax.jit(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=False)).trace(
-            sd((B * H, 2), u32), sd((B * H, 4096), f32), sd((B * H,), f32), sd((B * H,), f32), sd((B * H,), i32))
-        main = jax.jit(functools.partial(pallas_triton.sample_main_triton, semantic_start=151678,
-                                         eos_token_id=151645, ras_temperature=1.0, ras_top_k=30,
-                                         ras_top_p=0.95)).trace(
-            sd((B, 2), u32), sd((B, 2), u32), sd((B, 4097), f32), sd((B,), f32), sd((B,), f32), sd((B,), i32),
-            sd((B, 16), i32))
-        for traced in (rows, main):
-            txt = traced.lower(lowering_platforms=("cuda",)).as_text()
-            assert txt.count("__gpu$xla.gpu.triton") == 1
+    rows = lower_for_h200(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=False),
+                          sd((B * H, 2), u32), sd((B * H, 4096), f32), sd((B * H,), f32), sd((B * H,), f32),
+                          sd((B * H,), i32))
+    main = lower_for_h200(functools.partial(pallas_triton.sample_main_triton, semantic_start=151678,
+                                            eos_token_id=151645, ras_temperature=1.0, ras_top_k=30, ras_top_p=0.95),
+                          sd((B, 2), u32), sd((B, 2), u32), sd((B, 4097), f32), sd((B,), f32), sd((B,), f32),
+                          sd((B,), i32), sd((B, 16), i32))
+    for txt in (rows, main):
+        assert txt.count("__gpu$xla.gpu.triton") == 1
