@@ -75,7 +75,9 @@ class EngineConfig:
     admit_guard_s: float = 0.25
     codec_first_chunk: int = 4  # frames in a stream's first audio chunk
     codec_period: int = 8  # decode steps between the calls that serve every playing stream
-    codec_chunk: int = 16  # most frames of one stream per codec call (at least one period's frames)
+    # most frames of one stream per codec call. A period's frames (the default) is enough: the periodic call empties
+    # every playing stream, so a larger cap only adds a compiled shape that steady state never uses
+    codec_chunk: int = 8
     codec_batch_sizes: tuple[int, ...] = (8,)  # streams per codec call are padded to one of these (or all)
     stats_interval_s: float = 10.0  # log step / codec / prefill statistics this often (0: never)
     benchmark_mode: bool = False
@@ -88,6 +90,9 @@ class EngineConfig:
         """Cache rows per slot: a prompt, its frames, and the frames a multi-frame step may run past a stop."""
         return self.max_prompt_rows + self.max_new_tokens + self.frames_per_step + 1
 
+    # reference-encode shapes: compiled before the server reports ready ("start") or after, in a background thread
+    # ("background": start-up is minutes shorter; a reference request that comes sooner compiles its own shape)
+    encode_warmup: str = "background"
     encode_bucket_frames: int = 224  # reference audio is encoded in multiples of this many frames (~10.4 s)
     max_reference_frames: int = 672  # ~31 s
 
@@ -160,6 +165,8 @@ class Engine:
         self._param_leaves, param_tree = jax.tree.flatten(self.params)
         S = cfg.max_streams
         backends = cfg.backends
+        if cfg.encode_warmup not in ("start", "background"):
+            raise ValueError(f"encode_warmup must be 'start' or 'background', got {cfg.encode_warmup!r}")
         if cfg.codec_period < 1 or cfg.codec_first_chunk < 1 or cfg.codec_chunk < 1:
             raise ValueError("codec_period, codec_first_chunk and codec_chunk must be >= 1")
         if cfg.pipeline_depth not in (0, 1):
@@ -205,11 +212,12 @@ class Engine:
     # ------------------------------------------------------------------------------------------ lifecycle
     def warm_up(self) -> float:
         """Allocate the pools and compile every static shape the loop can use, `compile_threads` compilations at a
-        time (XLA compiles outside the GIL). Returns seconds spent."""
+        time (XLA compiles outside the GIL). Reference-encode shapes follow `encode_warmup`; the gauge
+        drama3_warmup_pending counts the shapes still compiling after ready. Returns seconds spent before ready."""
         t0 = time.perf_counter()
         S, K = self.cfg.max_streams, self.model_cfg.row_width
         self.pool = self._empty_pool()
-        self.codec_state = self.codec.init_state(S)
+        self.codec_state = self.codec.reset(self.codec.init_state(S), np.zeros(S, bool))  # compiles the reset too
 
         def prefill(b):
             rows = np.zeros((b, self.cfg.prefill_chunk, K), np.int32)
@@ -233,7 +241,10 @@ class Engine:
         jobs.update({f"prefill batch {b}": functools.partial(prefill, b) for b in self.cfg.prefill_batch_sizes})
         jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
                      for n in self.cfg.codec_batches for T in self.cfg.codec_buckets})
-        jobs.update({f"reference encode {n} frames": functools.partial(encode, n) for n in self.cfg.encode_buckets})
+        encodes = {f"reference encode {n} frames": functools.partial(encode, n) for n in self.cfg.encode_buckets}
+        if self.cfg.encode_warmup == "start":
+            jobs.update(encodes)
+            encodes = {}
 
         def timed(name, fn):
             t = time.perf_counter()
@@ -250,8 +261,20 @@ class Engine:
         dt = time.perf_counter() - t0
         log.info("warm-up: %d shapes compiled in %.1f s", len(jobs) + len(self.cfg.prefill_batch_sizes), dt)
         self.metrics.compile_seconds.set(dt)
+        self.metrics.warmup_pending.set(len(encodes))
+        if encodes:
+            threading.Thread(target=self._warm_in_background, args=(encodes, timed), daemon=True,
+                             name="encode-warm-up").start()
         self.ready = True
         return dt
+
+    def _warm_in_background(self, jobs: dict, timed):
+        for name, fn in jobs.items():
+            try:
+                timed(name + " (background)", fn)
+            except Exception:  # a failed warm-up compile is retried by the first request that needs the shape
+                log.exception("background warm-up of %s failed", name)
+            self.metrics.warmup_pending.dec()
 
     def _empty_pool(self) -> DecodeState:
         S, K = self.cfg.max_streams, self.model_cfg.row_width

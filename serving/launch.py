@@ -42,11 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--admit-guard-s", type=float, default=0.25,
                     help="admit new requests only while every playing stream has this much audio buffered")
     ap.add_argument("--codec-first-chunk", type=int, default=4, help="frames in a stream's first audio chunk")
-    ap.add_argument("--codec-chunk", type=int, default=16, help="most frames of one stream per codec call")
+    ap.add_argument("--codec-chunk", type=int, default=8, help="most frames of one stream per codec call")
     ap.add_argument("--codec-period", type=int, default=8,
                     help="decode steps between the codec calls that serve every playing stream")
     ap.add_argument("--codec-batch-sizes", type=int, nargs="+", default=[8],
                     help="streams per codec call are padded to one of these (or to --max-streams)")
+    ap.add_argument("--encode-warmup", default="background", choices=["start", "background"],
+                    help="compile the reference-encode shapes before ready, or after it in the background")
     ap.add_argument("--compile-threads", type=int, default=1, help="start-up compilations run at once")
     ap.add_argument("--pipeline-depth", type=int, default=1, choices=[0, 1],
                     help="decode steps in flight while the host processes the previous one")
@@ -150,6 +152,7 @@ def main(argv=None):
                        codec_chunk=args.codec_chunk, codec_batch_sizes=tuple(args.codec_batch_sizes),
                        codec_period=args.codec_period,
                        pipeline_depth=args.pipeline_depth, compile_threads=args.compile_threads,
+                       encode_warmup=args.encode_warmup,
                        benchmark_mode=args.benchmark_mode, dtype=args.dtype, ssm_state_dtype=args.ssm_state_dtype,
                        backends=Backends.auto() if args.kernels == "auto" else Backends())
     engine = Engine(talker, tok, codec, cfg, metrics)

@@ -29,6 +29,8 @@ class Metrics:
         self.codec_frames = Counter("drama3_codec_frames", "stream-frames through the codec: used = real frames, "
                                     "computed = including padding rows and frames", ["kind"], registry=r)
         self.compile_seconds = Gauge("drama3_warmup_compile_seconds", "start-up compilation time", registry=r)
+        self.warmup_pending = Gauge("drama3_warmup_pending", "shapes still compiling in the background after ready",
+                                    registry=r)
         self.compilations = Counter("drama3_xla_compilations", "XLA backend compilations in this process",
                                     registry=r)
 

@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import re
+import time
 
 import httpx
 import numpy as np
@@ -264,6 +265,11 @@ def test_queue_full_gives_429(server):
 
 
 def test_no_recompilation_after_warm_up(server):
+    deadline = time.time() + 600  # reference-encode shapes compile in the background after ready (the default)
+    while metric(server, "drama3_warmup_pending") > 0:
+        assert time.time() < deadline, "background warm-up did not finish"
+        time.sleep(1)
+    assert "reference encode 224 frames (background) compiled" in server["log"].read_text()
     before = metric(server, "drama3_xla_compilations_total")
     async def main():
         async with httpx.AsyncClient(base_url=server["base"], timeout=300) as client:
