@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from datetime import datetime, timezone
 from typing import Callable
 
@@ -41,6 +42,7 @@ from drama3_jax.backbone import Backends  # noqa: E402
 from drama3_jax.prompt import build_prompt, normalize_text, split_long_text  # noqa: E402
 from drama3_jax.sampling import SamplingParams  # noqa: E402
 from experiments.common import command_line, log, save_json  # noqa: E402
+from experiments.decode_profile import gpu_kernel_events  # noqa: E402
 from serving.bench.client import Sampling, request_body  # noqa: E402
 from serving.bench.dataset import synthetic, warmup_requests  # noqa: E402
 from serving.bench.metrics import BYTES_PER_SAMPLE, Trace, average_rounds, round_summary  # noqa: E402
@@ -100,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-s", type=float, default=math.inf,
                     help="wall-time budget from start: a configuration is skipped when even the quickest one run so "
                          "far would not finish within it")
+    ap.add_argument("--trace-s", type=float, default=0.0,
+                    help="profile the 'full' configuration for this many seconds of its first timed round: GPU time "
+                         "per jitted module (decode step, prefill, codec, ...) and the idle share")
+    ap.add_argument("--trace-delay-s", type=float, default=15.0, help="start the trace this long into the round")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per timed round before giving up")
     ap.add_argument("--compilation-cache", default=os.path.join(tempfile.gettempdir(), "drama3-ablate-xla"),
                     help="persistent XLA compilation cache shared by the configurations ('' disables)")
@@ -164,9 +170,46 @@ def _histogram(engine: Engine, name: str) -> tuple[float, float]:
     return reg.get_sample_value(f"{name}_sum") or 0.0, reg.get_sample_value(f"{name}_count") or 0.0
 
 
+# ------------------------------------------------------------------------------------------ engine profile
+def engine_time_budget(trace_dir: str) -> dict:
+    """Where the GPU's time goes while the engine serves: kernel time per jitted module (ms per wall second of the
+    trace window) and the share of the window with no kernel running (host gaps, waits)."""
+    events = gpu_kernel_events(trace_dir)
+    if not events:
+        return {}
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)
+    t0, t1 = spans[0][0], max(end for _, end in spans)
+    busy, covered = 0.0, -math.inf
+    for start, end in spans:  # union of the kernel intervals
+        busy += max(0.0, end - max(start, covered))
+        covered = max(covered, end)
+    window_s = (t1 - t0) / 1e6
+    per_module = defaultdict(float)
+    for e in events:
+        per_module[e.get("args", {}).get("hlo_module") or "(no module)"] += e["dur"] / 1e3 / window_s
+    return {"window_s": window_s, "kernels": len(events), "busy_share": busy / (t1 - t0),
+            "module_ms_per_s": dict(sorted(per_module.items(), key=lambda kv: -kv[1]))}
+
+
+def trace_later(delay_s: float, seconds: float, trace_dir: str, out: dict) -> threading.Thread:
+    """Profile the whole process for `seconds`, `delay_s` from now, in a thread; the budget lands in out["trace"]."""
+    def run():
+        time.sleep(delay_s)
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        time.sleep(seconds)
+        jax.profiler.stop_trace()
+        out["trace"] = engine_time_budget(trace_dir)
+
+    thread = threading.Thread(target=run, daemon=True, name="engine-trace")
+    thread.start()
+    return thread
+
+
 # ------------------------------------------------------------------------------------------ one configuration
-def run_config(talker, tok, codec, cfg: EngineConfig, timed: list[dict], warm: list[dict], args) -> dict:
-    """Build, compile, warm up, time `args.rounds` rounds, shut down and free the engine's device memory."""
+def run_config(talker, tok, codec, cfg: EngineConfig, timed: list[dict], warm: list[dict], args,
+               trace_s: float = 0.0) -> dict:
+    """Build, compile, warm up, time `args.rounds` rounds (profiling `trace_s` seconds of the first), shut down and
+    free the engine's device memory."""
     engine = Engine(talker, tok, codec, cfg)
     try:
         compile_s = engine.warm_up()
@@ -174,9 +217,13 @@ def run_config(talker, tok, codec, cfg: EngineConfig, timed: list[dict], warm: l
         warm_traces, errors = drive(engine, warm, cfg.max_streams, args.timeout) if warm else ([], [])
         names = ("drama3_decode_step_seconds", "drama3_prefill_seconds", "drama3_codec_step_seconds")
         before = {n: _histogram(engine, n) for n in names}
-        rounds = []
-        for _ in range(args.rounds):
+        rounds, profiled = [], {}
+        for i in range(args.rounds):
+            tracer = (trace_later(args.trace_delay_s, trace_s, tempfile.mkdtemp(prefix="engine-trace-"), profiled)
+                      if trace_s and i == 0 else None)
             traces, errs = drive(engine, timed, cfg.max_streams, args.timeout)
+            if tracer is not None:
+                tracer.join()
             errors += errs
             rounds.append(round_summary(traces, codec.cfg.sample_rate, codec.frame_length))
         mean_ms = {}
@@ -188,7 +235,7 @@ def run_config(talker, tok, codec, cfg: EngineConfig, timed: list[dict], warm: l
                 "mean_ms": mean_ms, "decode_frame_ms": mean_ms["decode_step_ms"] / cfg.frames_per_step,
                 "warmup": {"requests": len(warm_traces),
                            "failed": sum(t.failure_key() is not None for t in warm_traces)},
-                "errors": sorted(set(errors))[:5]}
+                "errors": sorted(set(errors))[:5], **profiled}
     finally:
         engine.shutdown(drain_timeout=0)
         engine.pool = engine.codec_state = engine.prefiller = None
@@ -228,6 +275,13 @@ def markdown(result: dict) -> str:
                      f"{f(s['ttfa_ms']['p50'], 0)} | {f(s['ttfa_ms']['p90'], 0)} | {f(s['rtf']['p50'], 3)} | "
                      f"{s['broken']} | {s['requests'] - s['ok']} | {f(r['mean_ms']['decode_step_ms'], 2)} | "
                      f"{f(r['decode_frame_ms'], 2)} | {f(r['compile_s'])} |")
+    for r in result["rows"]:
+        t = r.get("trace")
+        if t:
+            lines += ["", f"GPU time of '{r['name']}' by jitted module, over a {t['window_s']:.1f} s profile of its "
+                      f"first timed round ({t['kernels']:,} kernels; kernels running {100 * t['busy_share']:.0f}% of "
+                      "the window):", "", "| module | GPU ms per wall second |", "|---|---|"]
+            lines += [f"| {m} | {ms:.1f} |" for m, ms in t["module_ms_per_s"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -279,6 +333,7 @@ def main(argv=None):
     timed_bodies, warm_bodies = ([request_body(r, sampling, True, None) for r in rs] for rs in (reqs, warm))
     base = EngineConfig(max_streams=args.streams, max_new_tokens=sampling.max_new_tokens,
                         frames_per_step=args.frames_per_step, benchmark_mode=True, backends=Backends.auto(),
+                        encode_warmup="lazy",  # the synthetic set sends its references as codes: nothing to encode
                         dtype=str(jnp.dtype(talker.lm_head.weight[...].dtype)), ssm_state_dtype="bfloat16")
     rows_needed = max(len(build_prompt(tok, mcfg, split_long_text(normalize_text(b["input"]))[0],
                                        [(np.asarray(b["ref_audio_codes"]), b["ref_text"])]))
@@ -315,7 +370,8 @@ def main(argv=None):
             log(f"{name}: {off} ({row['change']})")
             t = time.perf_counter()
             try:
-                row.update(run_config(talker, tok, codec, cfg, timed_bodies, warm_bodies, args))
+                row.update(run_config(talker, tok, codec, cfg, timed_bodies, warm_bodies, args,
+                                      trace_s=args.trace_s if name == "full" else 0.0))
             except Exception as e:  # e.g. out of memory at compile: record it and go on
                 row.update(status="error", reason=repr(e)[:300])
             row["wall_s"] = time.perf_counter() - t

@@ -90,9 +90,10 @@ class EngineConfig:
         """Cache rows per slot: a prompt, its frames, and the frames a multi-frame step may run past a stop."""
         return self.max_prompt_rows + self.max_new_tokens + self.frames_per_step + 1
 
-    # reference-encode shapes: compiled before the server reports ready ("start") or after, in a background thread
-    # ("background": start-up is minutes shorter; a reference request that comes sooner compiles its own shape)
-    encode_warmup: str = "background"
+    # reference-encode shapes: compiled before the server reports ready ("start"), after it in a background thread
+    # ("background": start-up is minutes shorter, but on the H200 decode fell from ~26 to 4-6 steps/s while those
+    # compiles ran beside the engine), or by the first request that needs each shape ("lazy")
+    encode_warmup: str = "start"
     encode_bucket_frames: int = 224  # reference audio is encoded in multiples of this many frames (~10.4 s)
     max_reference_frames: int = 672  # ~31 s
 
@@ -165,17 +166,17 @@ class Engine:
         self._param_leaves, param_tree = jax.tree.flatten(self.params)
         S = cfg.max_streams
         backends = cfg.backends
-        if cfg.encode_warmup not in ("start", "background"):
-            raise ValueError(f"encode_warmup must be 'start' or 'background', got {cfg.encode_warmup!r}")
+        if cfg.encode_warmup not in ("start", "background", "lazy"):
+            raise ValueError(f"encode_warmup must be 'start', 'background' or 'lazy', got {cfg.encode_warmup!r}")
         if cfg.codec_period < 1 or cfg.codec_first_chunk < 1 or cfg.codec_chunk < 1:
             raise ValueError("codec_period, codec_first_chunk and codec_chunk must be >= 1")
         if cfg.pipeline_depth not in (0, 1):
             raise ValueError(f"pipeline_depth must be 0 or 1, got {cfg.pipeline_depth}")
 
-        def insert(pool, new, slots):
+        def prefill_insert(pool, new, slots):  # function names are the module names in a profile
             return jax.tree.map(lambda p, n: p.at[slots].set(n.astype(p.dtype), mode="drop"), pool, new)
 
-        def step(params, pool):
+        def decode_step(params, pool):
             model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, params))
 
             def body(s, _):
@@ -188,8 +189,8 @@ class Engine:
         donate = jax.default_backend() != "cpu"
         self.prefiller = Prefiller(model, cfg.max_len, cfg.prefill_chunk, backends,
                                    state_dtype=jnp.dtype(cfg.ssm_state_dtype) if cfg.ssm_state_dtype else None)
-        self._insert = jax.jit(insert, donate_argnums=(0,) if donate else ())
-        self._step = jax.jit(step, donate_argnums=(1,) if donate else ())
+        self._insert = jax.jit(prefill_insert, donate_argnums=(0,) if donate else ())
+        self._step = jax.jit(decode_step, donate_argnums=(1,) if donate else ())
         self.pool: DecodeState | None = None
         self.codec_state = None
         self.slots: list[Request | None] = [None] * S
@@ -242,8 +243,8 @@ class Engine:
         jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
                      for n in self.cfg.codec_batches for T in self.cfg.codec_buckets})
         encodes = {f"reference encode {n} frames": functools.partial(encode, n) for n in self.cfg.encode_buckets}
-        if self.cfg.encode_warmup == "start":
-            jobs.update(encodes)
+        if self.cfg.encode_warmup != "background":
+            jobs.update(encodes if self.cfg.encode_warmup == "start" else {})
             encodes = {}
 
         def timed(name, fn):

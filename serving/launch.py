@@ -47,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode steps between the codec calls that serve every playing stream")
     ap.add_argument("--codec-batch-sizes", type=int, nargs="+", default=[8],
                     help="streams per codec call are padded to one of these (or to --max-streams)")
-    ap.add_argument("--encode-warmup", default="background", choices=["start", "background"],
-                    help="compile the reference-encode shapes before ready, or after it in the background")
+    ap.add_argument("--encode-warmup", default="start", choices=["start", "background", "lazy"],
+                    help="compile the reference-encode shapes before ready, after it in the background (slows "
+                         "decoding while it runs), or on first use")
     ap.add_argument("--compile-threads", type=int, default=1, help="start-up compilations run at once")
     ap.add_argument("--pipeline-depth", type=int, default=1, choices=[0, 1],
                     help="decode steps in flight while the host processes the previous one")

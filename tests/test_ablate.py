@@ -15,7 +15,8 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.ablate", "--out", str(out), "--preset", "tiny",
            "--configs", "full", "sync_tick", "sampling_ref", "--streams", "2", "--warmup", "1",
-           "--max-new-tokens", "8", "--ref-seconds", "0.5", "1", "--compilation-cache", str(tmp_path / "xla"),
+           "--max-new-tokens", "8", "--ref-seconds", "0.5", "1", "--trace-s", "2", "--trace-delay-s", "0",
+           "--compilation-cache", str(tmp_path / "xla"),
            "--engine", "prefill_chunk=64", "prefill_batch_sizes=1,2", "max_reference_frames=224"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                           timeout=600)
@@ -36,3 +37,7 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
     assert (full["backends"]["sampling"], sampling["backends"]["sampling"]) == ("auto", "reference")
     assert rows["sampling_ref"]["change"] == "backends.sampling: auto -> reference"
     assert table.strip() in proc.stdout  # the table is printed last
+    trace = rows["full"]["trace"]  # the profiled window of the full row: GPU (here host-thunk) time per module
+    assert 0 < trace["busy_share"] <= 1 and trace["kernels"] > 0
+    assert trace["module_ms_per_s"]["jit_decode_step"] > 0 and "jit_prefill_step" in trace["module_ms_per_s"]
+    assert "by jitted module" in table and "trace" not in rows["sync_tick"]

@@ -29,7 +29,7 @@ def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "serving.launch", "--port", str(port), "--max-streams", "8", "--max-queue", "16",
            "--max-new-tokens", "64", "--max-prompt-rows", "512", "--prefill-chunk", "128", "--benchmark-mode",
-           "--codec-first-chunk", "4", "--codec-chunk", "8", "--dtype", "float32",
+           "--codec-first-chunk", "4", "--codec-chunk", "8", "--dtype", "float32", "--encode-warmup", "background",
            "--allowed-local-media-path", str(media), "--voices-dir", str(tmp_path_factory.mktemp("voices")),
            "--log-level", "info"]
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
