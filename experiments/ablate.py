@@ -21,6 +21,7 @@ import argparse
 import ast
 import dataclasses
 import gc
+import logging
 import math
 import os
 import sys
@@ -71,8 +72,9 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "moe_xla": ("Pallas MoE -> XLA ragged_dot", _backends(moe="xla_ragged_dot")),
     "sampling_ref": ("fused sampling kernel -> sort-based reference", _backends(sampling="reference")),
     "ssm_fp32": ("bf16 GDN state -> fp32", lambda c: dataclasses.replace(c, ssm_state_dtype="float32")),
-    "one_frame": ("multi-frame decode -> one frame per host call",
-                  lambda c: dataclasses.replace(c, frames_per_step=1)),
+    "four_frames": ("one frame per host call (the server default, pipelined) -> 4 frames per call (multi-frame "
+                    "decode: a scan of 4 frame steps in one executable)",
+                    lambda c: dataclasses.replace(c, frames_per_step=4)),
     "attention_ref": ("attention kernel -> jnp reference", _backends(attention="reference")),
     "moe_ref": ("Pallas MoE -> jnp reference (gathers expert weights per token)", _backends(moe="reference")),
 }
@@ -89,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=None, help="requests per timed round (default: --streams)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=8, help="distinct warm-up requests per configuration, dropped")
-    ap.add_argument("--frames-per-step", type=int, default=4, help="decode frames per host call in 'full'")
+    ap.add_argument("--frames-per-step", type=int, default=1, help="decode frames per host call in 'full'")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="frame cap; caps forced lengths as the client does (default: the set's longest)")
     ap.add_argument("--max-prompt-rows", type=int, default=None,
@@ -315,6 +317,7 @@ def build_parts(preset: str):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     t0 = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     if args.compilation_cache:
