@@ -12,10 +12,12 @@ One tick of the engine thread (`pipeline_depth` = 1, the default):
      to each request's queue, then finish ended chunks (release the slot, or hand over to the next text chunk);
   4. codec: a streaming-decode call costs ~7 ms on the H200 however few frames it decodes, and its cost grows with
      streams x frames including padding (experiments/results/codec_throughput.md), so calls are few and full: every
-     `codec_period` decode steps one call takes every playing stream's pending frames; in between, a call runs only
-     for streams whose first chunk (`codec_first_chunk` frames: time-to-first-audio) is ready or whose text chunk
-     ended (flush: frees the slot), and takes only those. Just the called streams' codec state is gathered from the
-     pool; stream counts and frames are padded to small static sets;
+     `codec_period` decode steps one call takes the pending frames of every playing stream and of every stream whose
+     text chunk ended (the flush, which frees the slot); in between, a call runs only for streams whose first chunk
+     (`codec_first_chunk` frames: time-to-first-audio) is ready, and takes only those. Flushes wait for the periodic
+     call because at 128 streams streams end ~15 times a second, and a call each was ~10 extra calls/s on the H200
+     (experiments/results/full_size_h200.md). Just the called streams' codec state is gathered from the pool; stream
+     counts and frames are padded to small static sets;
   5. admit: if the admission policy says so, prefill a batch of queued prompts (bucketed: batch sizes and prompt
      lengths from small static sets) and scatter them into free slots; their first valid step is n+1.
 So the device always has a step queued while the host works. `pipeline_depth` = 0 runs the same tick synchronously
@@ -530,7 +532,7 @@ class Engine:
             if r is None or not r.pending:
                 continue
             first_ready = r.audio_chunks == 0 and len(r.pending) >= self.cfg.codec_first_chunk
-            if r.chunk_done or first_ready or (periodic and r.audio_chunks > 0):
+            if first_ready or (periodic and (r.audio_chunks > 0 or r.chunk_done)):
                 ready.append((s, r, min(len(r.pending), cap)))
         if periodic:
             self._codec_countdown = self.cfg.codec_period
