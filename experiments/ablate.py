@@ -7,11 +7,11 @@ compile time, and each row's full engine configuration in the JSON.
         [--budget-s 480] [--engine prefill_chunk=128 ...]
 
 The model parts are built once; each configuration gets a fresh `Engine` (warm-up compile, run, shutdown, device
-memory freed). Requests are built from the benchmark client's request body the way serving/api.py builds them, and
-the figures come from `serving.bench.metrics.round_summary`, so they are defined exactly as `drama3-bench` defines
-them (chunk arrival = the engine's audio callback; bytes = samples * 2 as s16le). JSON and Markdown are rewritten
-after every configuration (partial results survive a time-out); a configuration that would not finish within
---budget-s (judging by the quickest one run so far) is recorded as skipped. "decode ms/call" is the engine's
+memory freed). Requests are the benchmark client's request bodies, validated and prepared by the server's own code
+(`serving.api.prepare_request`), and the figures come from `serving.bench.metrics.round_summary`, so they are defined
+exactly as `drama3-bench` defines them (chunk arrival = the engine's audio callback; bytes = samples * 2 as s16le).
+JSON and Markdown are rewritten after every configuration (partial results survive a time-out); a configuration that
+would not finish within --budget-s (judging by the quickest one run so far) is recorded as skipped. "decode ms/call" is the engine's
 `drama3_decode_step_seconds` (dispatch to rows on the host) over the timed rounds.
 """
 
@@ -41,13 +41,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from drama3_jax.backbone import Backends  # noqa: E402
 from drama3_jax.prompt import build_prompt, normalize_text, split_long_text  # noqa: E402
-from drama3_jax.sampling import SamplingParams  # noqa: E402
 from experiments.common import command_line, log, save_json  # noqa: E402
 from experiments.decode_profile import gpu_kernel_events  # noqa: E402
 from serving.bench.client import Sampling, request_body  # noqa: E402
 from serving.bench.dataset import synthetic, warmup_requests  # noqa: E402
 from serving.bench.metrics import BYTES_PER_SAMPLE, Trace, average_rounds, round_summary  # noqa: E402
-from serving.engine import Engine, EngineConfig, Request  # noqa: E402
+from serving.api import ServerState, prepare_request  # noqa: E402
+from serving.engine import Engine, EngineConfig  # noqa: E402
+from serving.protocol import SpeechRequest  # noqa: E402
+from serving.references import ReferenceResolver  # noqa: E402
+from serving.voices import VoiceStore  # noqa: E402
 
 
 def _backends(**kw) -> Callable[[EngineConfig], EngineConfig]:
@@ -115,18 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------ requests
-def engine_request(body: dict, band_size: int, seed: int, sink) -> Request:
-    """The engine Request serving/api.py builds from a benchmark body (voice cloning from codes, forced length)."""
-    return Request(chunks=split_long_text(normalize_text(body["input"])),
-                   references=[(np.asarray(body["ref_audio_codes"], np.int32), body["ref_text"])],
-                   previous_takes=[],
-                   sampling=SamplingParams(body["temperature"], body["top_p"], body["top_k"]).validate(band_size),
-                   seed=seed, max_frames=body["max_new_tokens"], sink=sink, ignore_eos=body["ignore_eos"],
-                   forced_frames=body["forced_frames"])
-
-
 def drive(engine: Engine, bodies: list[dict], concurrency: int, timeout: float) -> tuple[list[Trace], list[str]]:
-    """Closed loop: submit in order with at most `concurrency` in flight; one Trace per body, and engine errors."""
+    """Closed loop: submit in order with at most `concurrency` in flight; one Trace per body, and engine errors.
+    Each body goes through the server's own validation and request preparation (`serving.api.prepare_request`),
+    with seed = its index so every configuration samples the same way."""
+    state = ServerState(engine=engine, resolver=ReferenceResolver(engine.codec, engine.model_cfg),
+                        voices=VoiceStore(tempfile.mkdtemp(prefix="ablate-voices-")), benchmark_mode=True)
     frame_bytes = engine.codec.frame_length * BYTES_PER_SAMPLE
     free = threading.Semaphore(concurrency)
     traces, reqs, errors = [], [], []
@@ -151,8 +148,8 @@ def drive(engine: Engine, bodies: list[dict], concurrency: int, timeout: float) 
             continue
         t.send = time.perf_counter()
         try:
-            reqs.append(engine.submit(engine_request(body, engine.model_cfg.band_size, i,
-                                                     lambda k, p, t=t: sink(t, k, p))))
+            sreq = SpeechRequest.model_validate({**body, "seed": i})
+            reqs.append(engine.submit(prepare_request(state, sreq, lambda k, p, t=t: sink(t, k, p))))
             t.status = 200
         except Exception as e:  # what the server answers 4xx/5xx; the stream never starts
             t.error = type(e).__name__

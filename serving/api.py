@@ -172,7 +172,7 @@ def create_app(state: ServerState) -> FastAPI:
         def sink(kind: str, payload: Any):
             loop.call_soon_threadsafe(out.put_nowait, (kind, payload))
 
-        req = await run_in_threadpool(_prepare, state, sreq, sink)
+        req = await run_in_threadpool(prepare_request, state, sreq, sink)
         try:
             await run_in_threadpool(eng.submit, req)
         except QueueFull:
@@ -236,8 +236,9 @@ def _check_text(text: str, param: str) -> None:
         raise APIError(400, str(e), param=param) from None
 
 
-def _prepare(state: ServerState, sreq: SpeechRequest, sink) -> Request:
-    """Validate everything about a speech request and resolve its references (runs in a worker thread)."""
+def prepare_request(state: ServerState, sreq: SpeechRequest, sink) -> Request:
+    """Validate everything about a speech request and resolve its references into an engine Request (the server runs
+    it in a worker thread; experiments.ablate calls it directly). Raises APIError (4xx) on bad input."""
     if len(sreq.input) > state.max_input_chars:
         raise APIError(400, f"input is longer than {state.max_input_chars} characters", param="input")
     try:
