@@ -24,7 +24,7 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
     result = json.loads((out / "ablate.json").read_text())
     table = (out / "ablate.md").read_text()
     rows = {r["name"]: r for r in result["rows"]}
-    assert list(rows) == ["full", "sync_tick", "sampling_ref"]
+    assert list(rows) == ["full", "sync_tick", "sampling_ref", "full_profiled"]  # the profiled run goes last
     assert result["command"].startswith("python experiments/ablate.py --out $OUT --preset tiny")
     for name, r in rows.items():
         assert r["status"] == "ok", r
@@ -37,7 +37,7 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
     assert (full["backends"]["sampling"], sampling["backends"]["sampling"]) == ("auto", "reference")
     assert rows["sampling_ref"]["change"] == "backends.sampling: auto -> reference"
     assert table.strip() in proc.stdout  # the table is printed last
-    trace = rows["full"]["trace"]  # the profiled window of the full row: GPU (here host-thunk) time per module
+    trace = rows["full_profiled"]["trace"]  # the profiled window: GPU (here host-thunk) time per module
     assert 0 < trace["busy_share"] <= 1 and trace["kernels"] > 0
     assert trace["module_ms_per_s"]["jit_decode_step"] > 0 and "jit_prefill_step" in trace["module_ms_per_s"]
-    assert "by jitted module" in table and "trace" not in rows["sync_tick"]
+    assert "by jitted module" in table and not any("trace" in rows[n] for n in ("full", "sync_tick"))
