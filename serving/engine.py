@@ -526,14 +526,7 @@ class Engine:
         """One streaming-decode call (see the module docstring for when, and for which streams)."""
         self._codec_countdown -= 1
         periodic = self._codec_countdown <= 0
-        cap = self.cfg.codec_buckets[-1]
-        ready = []
-        for s, r in enumerate(self.slots):
-            if r is None or not r.pending:
-                continue
-            first_ready = r.audio_chunks == 0 and len(r.pending) >= self.cfg.codec_first_chunk
-            if first_ready or (periodic and (r.audio_chunks > 0 or r.chunk_done)):
-                ready.append((s, r, min(len(r.pending), cap)))
+        ready = codec_takes(self.slots, periodic, self.cfg.codec_first_chunk, self.cfg.codec_buckets[-1])
         if periodic:
             self._codec_countdown = self.cfg.codec_period
         if not ready:
@@ -607,6 +600,20 @@ class Engine:
             self.metrics.audio_seconds.inc(frames * self.codec.frame_length / self.codec.cfg.sample_rate)
             r.sink("done", {"input_tokens": r.prompt_rows, "output_tokens": frames,
                             "total_tokens": r.prompt_rows + frames})
+
+
+def codec_takes(slots, periodic: bool, first_chunk: int, cap: int) -> list[tuple[int, Request, int]]:
+    """The streams one codec call decodes, as (slot, request, frames taken): a stream whose first chunk is ready
+    (`first_chunk` pending frames, none decoded yet) at any call; on a periodic call also every playing stream and
+    every stream whose text chunk ended (its flush). At most `cap` frames of each."""
+    ready = []
+    for s, r in enumerate(slots):
+        if r is None or not r.pending:
+            continue
+        first_ready = r.audio_chunks == 0 and len(r.pending) >= first_chunk
+        if first_ready or (periodic and (r.audio_chunks > 0 or r.chunk_done)):
+            ready.append((s, r, min(len(r.pending), cap)))
+    return ready
 
 
 def new_seed() -> int:

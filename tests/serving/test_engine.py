@@ -91,8 +91,8 @@ def _sample_value(metric, suffix: str, **labels) -> float:
 
 
 def test_codec_runs_per_period_not_per_frame(sync_engine):
-    """10 forced frames with codec_period 4: a first chunk, calls every 4 steps, a flush (at most 5 calls, not 10),
-    and every frame decoded exactly once."""
+    """10 forced frames with codec_period 4: a first chunk, then only the calls every 4 steps, the flush of the end
+    included (at most 4 calls, not 10), and every frame decoded exactly once."""
     m = sync_engine.metrics
     calls0, used0 = _sample_value(m.codec_seconds, "_count"), _sample_value(m.codec_frames, "_total", kind="used")
     out = []
@@ -107,10 +107,29 @@ def test_codec_runs_per_period_not_per_frame(sync_engine):
     audio = sum(len(p) for k, p in out if k == "audio")
     assert audio == 10 * sync_engine.codec.frame_length
     assert _sample_value(m.codec_frames, "_total", kind="used") - used0 == 10
-    assert 2 <= _sample_value(m.codec_seconds, "_count") - calls0 <= 5
+    assert 2 <= _sample_value(m.codec_seconds, "_count") - calls0 <= 4
 
 
 def _talker(engine):
     from flax import nnx
 
     return nnx.merge(engine.graphdef, engine.params)
+
+
+def test_codec_takes_first_chunks_anytime_the_rest_on_periodic_calls():
+    """Between periodic calls only first chunks go; a periodic call takes every playing stream and the flush of every
+    ended one (also one that ended before its first chunk), each capped."""
+    from types import SimpleNamespace as R
+
+    from serving.engine import codec_takes
+
+    first = R(pending=[0] * 4, audio_chunks=0, chunk_done=False)    # first chunk ready
+    early = R(pending=[0] * 3, audio_chunks=0, chunk_done=False)    # not yet
+    playing = R(pending=[0] * 11, audio_chunks=2, chunk_done=False)
+    ended = R(pending=[0] * 2, audio_chunks=3, chunk_done=True)     # its text ended: a flush
+    short = R(pending=[0] * 2, audio_chunks=0, chunk_done=True)     # ended before a first chunk
+    idle = R(pending=[], audio_chunks=1, chunk_done=False)
+    slots = [first, None, early, playing, ended, short, idle]
+    assert codec_takes(slots, periodic=False, first_chunk=4, cap=8) == [(0, first, 4)]
+    assert codec_takes(slots, periodic=True, first_chunk=4, cap=8) == [
+        (0, first, 4), (3, playing, 8), (4, ended, 2), (5, short, 2)]
