@@ -11,8 +11,8 @@ memory freed). Requests are the benchmark client's request bodies, validated and
 (`serving.api.prepare_request`), and the figures come from `serving.bench.metrics.round_summary`, so they are defined
 exactly as `drama3-bench` defines them (chunk arrival = the engine's audio callback; bytes = samples * 2 as s16le).
 JSON and Markdown are rewritten after every configuration (partial results survive a time-out); a configuration that
-would not finish within --budget-s (judging by the quickest one run so far) is recorded as skipped. "decode ms/call" is the engine's
-`drama3_decode_step_seconds` (dispatch to rows on the host) over the timed rounds.
+would not finish within --budget-s (judging by the quickest one run so far) is recorded as skipped. "decode ms/call"
+is the engine's `drama3_decode_step_seconds` (dispatch to rows on the host) over the timed rounds.
 """
 
 from __future__ import annotations

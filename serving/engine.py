@@ -245,9 +245,9 @@ class Engine:
         jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
                      for n in self.cfg.codec_batches for T in self.cfg.codec_buckets})
         encodes = {f"reference encode {n} frames": functools.partial(encode, n) for n in self.cfg.encode_buckets}
-        if self.cfg.encode_warmup != "background":
-            jobs.update(encodes if self.cfg.encode_warmup == "start" else {})
-            encodes = {}
+        if self.cfg.encode_warmup == "start":
+            jobs.update(encodes)
+        background = encodes if self.cfg.encode_warmup == "background" else {}
 
         def timed(name, fn):
             t = time.perf_counter()
@@ -264,9 +264,9 @@ class Engine:
         dt = time.perf_counter() - t0
         log.info("warm-up: %d shapes compiled in %.1f s", len(jobs) + len(self.cfg.prefill_batch_sizes), dt)
         self.metrics.compile_seconds.set(dt)
-        self.metrics.warmup_pending.set(len(encodes))
-        if encodes:
-            threading.Thread(target=self._warm_in_background, args=(encodes, timed), daemon=True,
+        self.metrics.warmup_pending.set(len(background))
+        if background:
+            threading.Thread(target=self._warm_in_background, args=(background, timed), daemon=True,
                              name="encode-warm-up").start()
         self.ready = True
         return dt

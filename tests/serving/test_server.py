@@ -265,7 +265,7 @@ def test_queue_full_gives_429(server):
 
 
 def test_no_recompilation_after_warm_up(server):
-    deadline = time.time() + 600  # reference-encode shapes compile in the background after ready (the default)
+    deadline = time.time() + 600  # this server compiles reference-encode shapes in the background after ready
     while metric(server, "drama3_warmup_pending") > 0:
         assert time.time() < deadline, "background warm-up did not finish"
         time.sleep(1)
