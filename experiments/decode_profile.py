@@ -196,6 +196,7 @@ def profile(step, params, state, hlo_text: str, n_steps: int, trace_dir: str) ->
         jax.block_until_ready(row)
     events = gpu_kernel_events(trace_dir)
     per_cat, per_op, unattributed = defaultdict(float), defaultdict(float), 0.0
+    per_scope = defaultdict(lambda: [0.0, 0])  # op_name path (same for every layer) -> [ms per step, kernels per step]
     for e in events:
         hlo_op = e.get("args", {}).get("hlo_op", "")
         dur = e["dur"] / 1e3 / n_steps  # us -> ms per step
@@ -206,10 +207,13 @@ def profile(step, params, state, hlo_text: str, n_steps: int, trace_dir: str) ->
             continue
         per_cat[category_of(op_name)] += dur
         per_op[f"{hlo_op} {op_name[-80:]}"] += dur
+        per_scope[op_name][0] += dur
+        per_scope[op_name][1] += 1 / n_steps
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / n_steps if events else 0
     top = sorted(per_op.items(), key=lambda kv: -kv[1])[:40]
+    scopes = sorted(([k, round(v[0], 5), round(v[1], 2)] for k, v in per_scope.items()), key=lambda r: -r[1])
     return {"kernel_ms_per_step": dict(per_cat), "unattributed_ms_per_step": unattributed,
-            "gpu_span_ms_per_step": span, "n_events": len(events), "top_ops": top}
+            "gpu_span_ms_per_step": span, "n_events": len(events), "top_ops": top, "by_scope": scopes[:80]}
 
 
 def main(argv=None):
@@ -347,7 +351,10 @@ def write_markdown(R: dict, path: str):
                 lines.append(f"| {c} | {v['kernel_ms']:.3f} | {rl:.3f} | {pct} | {v.get('bytes', 0) / 1e9:.3f} | "
                              f"{v.get('flops', 0) / 1e9:.1f} |")
             lines.append(f"| (unattributed) | {r['unattributed_ms_per_step']:.3f} | | | | |")
-            lines += ["", "Top kernels (ms per step):", ""] + [f"- {ms:.3f} {name}" for name, ms in r["top_ops"][:25]]
+            lines += ["", "By op (name-scope path, summed over layers; ms and kernels per step):", "",
+                      "| ms/step | kernels | op |", "|---|---|---|"]
+            lines += [f"| {ms:.3f} | {n:g} | `{name[-110:]}` |" for name, ms, n in r.get("by_scope", [])[:45]]
+            lines += ["", "Top kernels (ms per step):", ""] + [f"- {ms:.3f} {name}" for name, ms in r["top_ops"][:10]]
             lines.append("")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")

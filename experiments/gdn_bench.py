@@ -44,8 +44,11 @@ MAX_SLOT_BLOCKS = 128
 KEXTRA = {}  # extra kwargs for every Pallas call ({"interpret": True} in --cpu-smoke)
 
 # Variants: name -> backend kwargs (pallas_triton). The first of each list is the default (TUNING).
-DECODE_VARIANTS = {"triton": {}, "triton_bv16_w1": {"bv": 16, "num_warps": 1},
-                   "triton_bv16_w2": {"bv": 16, "num_warps": 2}, "triton_bv64_w8": {"bv": 64, "num_warps": 8}}
+# Decode: the first run (gdn_bench.json of 2026-11-30) found bv 16 with 1-2 warps and bv 64 with 8 warps slower than
+# the default; this list sweeps the prefetch depth (state tiles loaded ahead of the current tile's store).
+DECODE_VARIANTS = {"triton": {}, "triton_pf2": {"prefetch": 2}, "triton_pf3": {"prefetch": 3},
+                   "triton_pf7": {"prefetch": 7}, "triton_bv16_pf4": {"bv": 16, "prefetch": 4},
+                   "triton_bv64_w8_pf2": {"bv": 64, "num_warps": 8, "prefetch": 2}}
 PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_bv32": {"bv": 32},
                     "triton_inv8": {"inv_num_warps": 8}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}

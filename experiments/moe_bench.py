@@ -35,7 +35,20 @@ DECODE_T = [1, 8, 32, 64, 128, 256]
 PREFILL_T = [2048, 8192, 16384]
 HBM_BPS = 4.2e12  # measured device-to-device copy, h200-baselines.md
 PEAK_FLOPS = 780e12  # measured XLA bf16 GEMM
-REF_MAX_T = 256  # the dense-gather reference materialises [T, k, 3, 512, 2048] weights
+REF_MAX_T = 256
+# Decode-regime tile variants swept against the table default (16-row blocks; gate/up N 64 / K 128; down N 128 /
+# K 128; 4 warps, 4 stages). Down has only I/128 = 4 K steps per program, so its occupancy knobs come first.
+DECODE_TILE_VARIANTS = {
+    "dn_bn64": dict(dn_block_n=64),
+    "dn_bn64,dn_w2": dict(dn_block_n=64, dn_warps=2),
+    "dn_bn32,dn_w2": dict(dn_block_n=32, dn_warps=2),
+    "dn_s2": dict(dn_stages=2),
+    "dn_w8": dict(dn_warps=8),
+    "gu_s3": dict(gu_stages=3),
+    "gu_s6": dict(gu_stages=6),
+    "gu_bn32,gu_w2": dict(gu_block_n=32, gu_warps=2),
+    "gu_w8": dict(gu_warps=8),
+}  # the dense-gather reference materialises [T, k, 3, 512, 2048] weights
 
 
 def layer_flops(T):
@@ -259,10 +272,6 @@ class Runner:
 
         if name == "pallas_triton":
             return lambda x, i, t, w: moe_experts_pallas_triton(x, i, t, w, config=cfg), None
-        if name == "pallas_mosaic":
-            from kernels.moe.pallas_mosaic_gpu import moe_experts_pallas_mosaic_gpu
-
-            return lambda x, i, t, w: moe_experts_pallas_mosaic_gpu(x, i, t, w, config=cfg), None
         if name == "xla_ragged_dot":
             return moe_experts_ragged_dot, None
         if name == "reference":
@@ -426,24 +435,67 @@ class Runner:
             out["swap_ab+f16"] = C(**base, swap_ab=True, gu_f16=True)
         if decode:
             out["swap_ab,bn128"] = C(**dict(base, gu_block_n=128), swap_ab=True, gu_f16=fp8)
+            # tile/occupancy variants of the decode default (FP8: f16 gate/up), one knob at a time
+            for vname, kw in DECODE_TILE_VARIANTS.items():
+                out[vname] = C(**dict(base, **kw), gu_f16=fp8)
         return out
 
     def phase_sweep(self):
         sweep_T = [int(t) for t in self.args.sweep_T.split(",")]
         specs = []
         for T in sweep_T:
-            for fp8 in (True, False):
+            for fp8 in [w == "fp8" for w in self.args.sweep_weights.split(",")]:
                 for vname, cfg in self.our_variants(fp8, T <= 256).items():
+                    if self.args.sweep_variants and vname not in self.args.sweep_variants.split(";"):
+                        continue
                     specs.append(dict(name="pallas_triton", fp8=fp8, T=T, cfg=cfg, extra=dict(variant=vname)))
         # tokamax: bf16 configs were swept in an earlier run on this machine (see tokamax_best_cfg); FP8 (f16
         # compute, see tokamax_weights) allows only block_n=64: its default vs one alternative per regime.
-        if self.tk:
+        if self.tk and "tokamax" in self.backends():
             tk_cands = {True: [(64, 64, 128, 2), (32, 64, 128, 4)], False: [(64, 64, 128, 2), (128, 64, 128, 3)]}
             for T in sweep_T:
                 for c in tk_cands[T <= 256]:
                     cc = tk_config(*c, True)
                     specs.append(dict(name="tokamax", fp8=True, T=T, cfg=(cc, cc), extra=dict(tk_cfg=list(c))))
         self.measure_many(specs, self.res["sweep"], "sweep")
+        self.check_variants([sp for sp in specs if sp["name"] == "pallas_triton" and sp["T"] <= REF_MAX_T])
+
+    def check_variants(self, specs):
+        """Each swept decode variant once more, against the dense reference on the same inputs (rel_err lands in
+        the variant's sweep row): a tile choice enters the tuning table only if it is also right on the GPU."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from kernels.moe.reference import moe_experts_reference
+        from kernels.moe.testing import rel_err
+
+        jax = self.jax
+
+        def comp(sp):
+            x, ids, tw = routing(jax, self.jnp, sp["T"], seed=7)
+            fn, _ = self.layer_fn("pallas_triton", sp["fp8"], sp["cfg"])
+            args = (x, ids, tw, self.weights(sp["fp8"])[0])
+            return jax.jit(fn).lower(*args).compile(), args
+
+        with ThreadPoolExecutor(max(1, self.args.compile_workers)) as ex:
+            futs = [ex.submit(comp, sp) for sp in specs]
+        refs = {}
+        for sp, fut in zip(specs, futs):
+            try:
+                c, args = fut.result()
+                key = (sp["T"], sp["fp8"])
+                if key not in refs:
+                    refs[key] = jax.jit(moe_experts_reference)(*args)
+                e = rel_err(c(*args), refs[key])
+            except Exception as ex:  # noqa: BLE001
+                self.err(f"check sweep variant {sp['extra']} fp8={sp['fp8']} T={sp['T']}", ex)
+                continue
+            for r in self.res["sweep"]:
+                if (r["backend"], r["T"], r.get("variant")) == ("pallas_triton", sp["T"], sp["extra"]["variant"]) \
+                        and r["weights"] == ("fp8" if sp["fp8"] else "bf16"):
+                    r["rel_err"] = e
+            print(f"check {sp['extra']['variant']:16s} {'fp8' if sp['fp8'] else 'bf16'} T={sp['T']}: rel_err={e:.2e}",
+                  flush=True)
+        self.save()
 
     def our_best_cfg(self, fp8, T):
         rows = [r for r in self.res["sweep"] if r["backend"] == "pallas_triton"
@@ -523,11 +575,13 @@ def report(res, outdir):
         lines.append(f"- {b} ({wd}): " + "; ".join(
             f"{v} at T in {sorted(t for t, r in d.items() if (r.get('variant') or '-') == v)}" for v in vs))
     if res.get("sweep"):
-        lines += ["", "## Sweep (same run)", "", "| backend | weights | T | variant / config | ms |", "|---|---|---|---|---|"]
+        lines += ["", "## Sweep (same run)", "", "| backend | weights | T | variant / config | ms | % of FP8 roofline "
+                  "| rel. error vs reference |", "|---|---|---|---|---|---|---|"]
         for r in res["sweep"]:
+            err = f"{r['rel_err']:.2e}" if "rel_err" in r else "-"
             lines.append(f"| {r['backend']} | {r['weights']} | {r['T']} "
                          f"| {r.get('variant') or r.get('tk_cfg') or r.get('config')} "
-                         f"| {r['ms']:.4f} |")
+                         f"| {r['ms']:.4f} | {r['pct_of_fp8_roofline']:.0f}% | {err} |")
     lines += ["", "## Decode: achieved HBM bandwidth (TB/s, bytes of the touched experts in the weights' own dtype) "
                   "and % of the FP8 roofline", "",
               "| backend | weights | " + " | ".join(f"T={t}" for t in Ts if t <= 256) + " |",
@@ -588,6 +642,8 @@ def main():
     p.add_argument("--backends", default="pallas_triton,xla_ragged_dot,tokamax,reference")
     p.add_argument("--T", default="")
     p.add_argument("--sweep-T", default="128,8192")
+    p.add_argument("--sweep-weights", default="fp8,bf16", help="weight dtypes of the sweep")
+    p.add_argument("--sweep-variants", default="", help="';'-separated variant names of ours to sweep (default: all)")
     p.add_argument("--compile-workers", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokamax-layers", type=int, default=2, help="its kernels compile per call site: fewer layers")

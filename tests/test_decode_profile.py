@@ -25,4 +25,8 @@ def test_timing_and_profile_phases(tmp_path):
         assert ms.get(category, 0) > 0, (category, ms)
     assert sum(ms.values()) > row["unattributed_ms_per_step"]  # most thunk time maps to a named scope
     assert row["categories"]["moe_experts"]["bytes"] > 0
+    scopes = {name: (ms_, n) for name, ms_, n in row["by_scope"]}
+    assert any("moe_experts" in name and n > 0 for name, (_, n) in scopes.items())
+    assert sum(ms_ for ms_, _ in scopes.values()) <= sum(ms.values()) + 1e-6  # a split of the attributed time
+    assert "By op" in (tmp_path / "decode_profile.md").read_text()
     assert (tmp_path / "decode_profile.png").stat().st_size > 0
