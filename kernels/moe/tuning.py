@@ -41,7 +41,9 @@ _DECODE_BF16 = dict(block_m=16, gu_block_n=64, gu_block_k=128, dn_block_n=128, d
                     dn_warps=4, dn_stages=4)
 TRITON_TABLE: dict[str, list[tuple[int, dict]]] = {
     "fp8": [
-        (2048, dict(_DECODE_BF16, gu_f16=True)),
+        # down GEMM with 32-wide N tiles and 2 warps: 0.289 vs 0.2975 ms per layer at T=128 (H200, 2026-12-01, the
+        # one-knob sweep of experiments/moe_bench.py; every variant checked against the reference on the device)
+        (2048, dict(_DECODE_BF16, gu_f16=True, dn_block_n=32, dn_warps=2)),
         (1 << 62, dict(block_m=64, gu_block_n=128, gu_block_k=64, dn_block_n=128, dn_block_k=64, gu_warps=4,
                        gu_stages=4, dn_warps=4, dn_stages=4)),
     ],

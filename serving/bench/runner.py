@@ -81,9 +81,10 @@ def run(cfg: BenchConfig, reqs: list[BenchRequest]) -> dict:
                      m["audio_s_per_s"], m["ttfa_ms"]["p50"], m["rtf"]["p50"], m["broken"], m["failures"])
             report.plot_gap_timeline(per_round[0], cfg.sample_rate, cfg.out / f"gaps_c{c}.png",
                                      f"{c} streams, round 1")
-    results = {"config": _config_record(cfg, len(reqs)), "published": report.PUBLISHED, "levels": levels}
-    report.write_json(cfg.out / "results.json", results)
-    (cfg.out / "table.md").write_text(report.markdown_table(levels))
+            # rewritten after every level, so a run cut short keeps the levels it finished
+            results = {"config": _config_record(cfg, len(reqs)), "published": report.PUBLISHED, "levels": levels}
+            report.write_json(cfg.out / "results.json", results)
+            (cfg.out / "table.md").write_text(report.markdown_table(levels))
     report.plot_scaling(levels, cfg.out / "throughput_ttfa.png")
     report.plot_ttfa_cdf(traces_by_level, cfg.out / "ttfa_cdf.png")
     return results
