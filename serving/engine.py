@@ -14,7 +14,8 @@ One tick of the engine thread (`pipeline_depth` = 1, the default):
      streams x frames including padding (experiments/results/codec_throughput.md), so calls are few and full: every
      `codec_period` decode steps one call takes the pending frames of every playing stream and of every stream whose
      text chunk ended (the flush, which frees the slot); in between, a call runs only for streams whose first chunk
-     (`codec_first_chunk` frames: time-to-first-audio) is ready, and takes only those. Flushes wait for the periodic
+     (`codec_first_chunk` frames: time-to-first-audio) is ready or whose first chunk would run dry before the next
+     periodic call (one bridge chunk per stream), and takes only those. Flushes wait for the periodic
      call because at 128 streams streams end ~15 times a second, and a call each was ~10 extra calls/s on the H200
      (experiments/results/full_size_h200.md). Just the called streams' codec state is gathered from the pool; stream
      counts and frames are padded to small static sets;
@@ -211,6 +212,9 @@ class Engine:
         self._codec_inflight = None  # ([(request, frames)], audio on the device, dispatch time) not yet delivered
         self._stats = self._new_stats()
         self._codec_countdown = cfg.codec_period  # decode steps until the next call for every playing stream
+        # moving averages (seconds) of the interval between decode steps and of a codec call's latency: the horizon
+        # of the "running dry" rule in `codec_takes`
+        self._step_interval_s, self._codec_latency_s, self._last_rows_t = 0.0, 0.0, None
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def warm_up(self) -> float:
@@ -480,7 +484,11 @@ class Engine:
     def _process_rows(self, step: int, rows, t0: float):
         """Stop rules and frame bookkeeping on the rows [F, S, 1+K] of decode step `step`."""
         rows = np.asarray(rows)  # the one host transfer per step
-        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        now = time.perf_counter()
+        self.metrics.step_seconds.observe(now - t0)
+        if self._last_rows_t is not None and now - self._last_rows_t < 1.0:  # not across an idle spell
+            self._step_interval_s = _ema(self._step_interval_s, now - self._last_rows_t)
+        self._last_rows_t = now
         self._stats["steps"] += 1
         eos, sem0 = self.model_cfg.eos_token_id, self.model_cfg.semantic_start_token_id
         n_frames = 0
@@ -526,7 +534,10 @@ class Engine:
         """One streaming-decode call (see the module docstring for when, and for which streams)."""
         self._codec_countdown -= 1
         periodic = self._codec_countdown <= 0
-        ready = codec_takes(self.slots, periodic, self.cfg.codec_first_chunk, self.cfg.codec_buckets[-1])
+        # the next periodic call's audio lands after the steps still to run plus one codec call
+        horizon = (self._codec_countdown + 1) * self._step_interval_s + self._codec_latency_s
+        ready = codec_takes(self.slots, periodic, self.cfg.codec_first_chunk, self.cfg.codec_buckets[-1],
+                            now=time.perf_counter(), horizon_s=horizon)
         if periodic:
             self._codec_countdown = self.cfg.codec_period
         if not ready:
@@ -553,6 +564,7 @@ class Engine:
             self._codec_inflight = None
             audio = np.asarray(audio)
             self.metrics.codec_seconds.observe(time.perf_counter() - t0)
+            self._codec_latency_s = _ema(self._codec_latency_s, time.perf_counter() - t0)
             used = sum(take for _, take in owners)
             computed = audio.shape[0] * audio.shape[1] // self.codec.frame_length
             self.metrics.codec_frames.labels(kind="used").inc(used)
@@ -602,18 +614,31 @@ class Engine:
                             "total_tokens": r.prompt_rows + frames})
 
 
-def codec_takes(slots, periodic: bool, first_chunk: int, cap: int) -> list[tuple[int, Request, int]]:
-    """The streams one codec call decodes, as (slot, request, frames taken): a stream whose first chunk is ready
-    (`first_chunk` pending frames, none decoded yet) at any call; on a periodic call also every playing stream and
-    every stream whose text chunk ended (its flush). At most `cap` frames of each."""
+def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float = 0.0,
+                horizon_s: float = 0.0) -> list[tuple[int, Request, int]]:
+    """The streams one codec call decodes, as (slot, request, frames taken), at most `cap` frames of each:
+    - at any call, a stream whose first chunk is ready (`first_chunk` pending frames, none decoded yet), and a stream
+      that has played only its first chunk, has `first_chunk` more pending and whose audio ends (`t_audio_end`)
+      within `horizon_s` of `now`, i.e. before the next periodic call's audio can arrive. The short first chunk would
+      otherwise run dry waiting for the period: gaps of up to ~0.1 s right after the start at 128 streams on the
+      H200 (experiments/results/serve_bench_4). One such bridge per stream at most, so an overloaded engine does not
+      turn into a codec call every step;
+    - on a periodic call also every other playing stream and every stream whose text chunk ended (its flush)."""
     ready = []
     for s, r in enumerate(slots):
         if r is None or not r.pending:
             continue
-        first_ready = r.audio_chunks == 0 and len(r.pending) >= first_chunk
-        if first_ready or (periodic and (r.audio_chunks > 0 or r.chunk_done)):
+        enough = len(r.pending) >= first_chunk
+        first_ready = r.audio_chunks == 0 and enough
+        running_dry = r.audio_chunks == 1 and enough and not r.chunk_done and r.t_audio_end - now < horizon_s
+        if first_ready or running_dry or (periodic and (r.audio_chunks > 0 or r.chunk_done)):
             ready.append((s, r, min(len(r.pending), cap)))
     return ready
+
+
+def _ema(avg: float, x: float, weight: float = 0.1) -> float:
+    """Exponential moving average; the first sample (avg 0) is taken as is."""
+    return x if avg == 0.0 else avg + weight * (x - avg)
 
 
 def new_seed() -> int:

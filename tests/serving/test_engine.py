@@ -123,13 +123,40 @@ def test_codec_takes_first_chunks_anytime_the_rest_on_periodic_calls():
 
     from serving.engine import codec_takes
 
-    first = R(pending=[0] * 4, audio_chunks=0, chunk_done=False)    # first chunk ready
-    early = R(pending=[0] * 3, audio_chunks=0, chunk_done=False)    # not yet
-    playing = R(pending=[0] * 11, audio_chunks=2, chunk_done=False)
-    ended = R(pending=[0] * 2, audio_chunks=3, chunk_done=True)     # its text ended: a flush
-    short = R(pending=[0] * 2, audio_chunks=0, chunk_done=True)     # ended before a first chunk
-    idle = R(pending=[], audio_chunks=1, chunk_done=False)
+    def req(pending, chunks, done=False, audio_end=100.0):
+        return R(pending=[0] * pending, audio_chunks=chunks, chunk_done=done, t_audio_end=audio_end)
+
+    first = req(4, 0)                  # first chunk ready
+    early = req(3, 0)                  # not yet
+    playing = req(11, 2)
+    ended = req(2, 3, done=True)       # its text ended: a flush
+    short = req(2, 0, done=True)       # ended before a first chunk
+    idle = req(0, 1)
     slots = [first, None, early, playing, ended, short, idle]
     assert codec_takes(slots, periodic=False, first_chunk=4, cap=8) == [(0, first, 4)]
     assert codec_takes(slots, periodic=True, first_chunk=4, cap=8) == [
         (0, first, 4), (3, playing, 8), (4, ended, 2), (5, short, 2)]
+
+
+def test_codec_takes_bridges_a_first_chunk_that_would_run_dry():
+    """Between periodic calls, a stream that has played only its first chunk gets a second one when its audio ends
+    before the next periodic call could deliver (now + horizon) and it has a first chunk's worth of frames; never a
+    stream further along (an overloaded engine must not call the codec every step), never with too few frames."""
+    from types import SimpleNamespace as R
+
+    from serving.engine import codec_takes
+
+    def req(pending, chunks, audio_end, done=False):
+        return R(pending=[0] * pending, audio_chunks=chunks, chunk_done=done, t_audio_end=audio_end)
+
+    now = 10.0
+    dry = req(5, 1, now + 0.05)          # 50 ms of audio left, next periodic audio in 200 ms
+    safe = req(5, 1, now + 0.5)          # enough audio to reach the periodic call
+    few = req(3, 1, now + 0.05)          # would run dry, but fewer than a first chunk's frames
+    later = req(5, 2, now + 0.05)        # past its bridge: waits for the period
+    ending = req(5, 1, now + 0.05, done=True)  # its text ended: a flush, periodic
+    slots = [dry, safe, few, later, ending]
+    assert codec_takes(slots, periodic=False, first_chunk=4, cap=8, now=now, horizon_s=0.2) == [(0, dry, 5)]
+    assert codec_takes(slots, periodic=False, first_chunk=4, cap=8, now=now, horizon_s=0.01) == []
+    assert codec_takes(slots, periodic=True, first_chunk=4, cap=8, now=now, horizon_s=0.2) == [
+        (i, r, len(r.pending)) for i, r in enumerate(slots)]
