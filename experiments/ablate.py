@@ -66,10 +66,22 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                                                   admit_guard_s=float("-inf"))),
     "codec_every_step": ("periodic codec calls (every 8 steps) -> a call every step for every playing stream",
                          lambda c: dataclasses.replace(c, codec_period=1)),
+    "codec_no_bridge": ("a new stream's bridge chunk before the first periodic call -> none (its first chunk may run "
+                        "dry)", lambda c: dataclasses.replace(c, codec_bridge=False)),
+    # candidate settings (not switches of an optimisation), each changing one admission / batching knob: the guard
+    # rows reuse the compiled executables, the prefill and codec rows below compile new shapes
+    "guard_new_0.1s": ("admission guard for streams on their first chunk 0.25 s -> 0.1 s",
+                       lambda c: dataclasses.replace(c, admit_guard_new_s=0.1)),
+    "guard_0.1s": ("admission guard 0.25 s -> 0.1 s", lambda c: dataclasses.replace(c, admit_guard_s=0.1)),
     "codec_full_pool": ("codec on the called streams only -> on the whole slot pool",
                         lambda c: dataclasses.replace(c, codec_batch_sizes=())),
     "sync_tick": ("pipelined engine tick -> synchronous tick",
                   lambda c: dataclasses.replace(c, pipeline_depth=0)),
+    "prefill_batch_8": ("prefill batch sizes (1, 4) -> (1, 4, 8)",
+                        lambda c: dataclasses.replace(c, prefill_batch_sizes=(1, 4, 8))),
+    "prefill_chunk_256": ("512-row prefill chunks -> 256-row", lambda c: dataclasses.replace(c, prefill_chunk=256)),
+    "codec_batches_32_64": ("codec batch sizes (8, pool) -> (8, 32, 64, pool)",
+                            lambda c: dataclasses.replace(c, codec_batch_sizes=(8, 32, 64))),
     "gdn_ref": ("GDN Pallas kernels (prefill + decode) -> jnp reference", _backends(gdn_prefill="reference",
                                                                                     gdn_decode="reference")),
     "moe_xla": ("Pallas MoE -> XLA ragged_dot", _backends(moe="xla_ragged_dot")),

@@ -48,6 +48,9 @@ DECODE_TILE_VARIANTS = {
     "gu_s6": dict(gu_stages=6),
     "gu_bn32,gu_w2": dict(gu_block_n=32, gu_warps=2),
     "gu_w8": dict(gu_warps=8),
+    # few pairs (T = 1..8: 8..64 pairs on as many experts): narrow tiles on both GEMMs for more programs per expert
+    "narrow32,w2": dict(gu_block_n=32, gu_warps=2, dn_block_n=32, dn_warps=2),
+    "narrow16,w1": dict(gu_block_n=16, gu_warps=1, dn_block_n=16, dn_warps=1),
 }  # the dense-gather reference materialises [T, k, 3, 512, 2048] weights
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import itertools
 import logging
 import os
@@ -76,13 +77,20 @@ class EngineConfig:
     # a prefill stalls every running stream for its duration: admit only while each stream that is playing has at
     # least this much audio buffered (new streams wait rather than running ones breaking)
     admit_guard_s: float = 0.25
+    # the same for streams that have played only their first chunk (None: `admit_guard_s`; see `guard_allows`)
+    admit_guard_new_s: float | None = None
     codec_first_chunk: int = 4  # frames in a stream's first audio chunk
     codec_period: int = 8  # decode steps between the calls that serve every playing stream
+    # between periodic calls, give a new stream a second chunk when its first would run dry (see `codec_takes`)
+    codec_bridge: bool = True
     # most frames of one stream per codec call. A period's frames (the default) is enough: the periodic call empties
     # every playing stream, so a larger cap only adds a compiled shape that steady state never uses
     codec_chunk: int = 8
     codec_batch_sizes: tuple[int, ...] = (8,)  # streams per codec call are padded to one of these (or all)
     stats_interval_s: float = 10.0  # log step / codec / prefill statistics this often (0: never)
+    # an engine loop iteration (admit + tick) longer than this is logged with the time of each phase, and a Python
+    # garbage collection longer than this is logged too (0: never): the diagnosis of stalls that break streams
+    stall_warn_s: float = 0.25
     benchmark_mode: bool = False
     backends: Backends = Backends()
     dtype: str = "bfloat16"
@@ -211,6 +219,7 @@ class Engine:
         self._inflight: deque = deque()  # (step index, rows on the device) not yet processed
         self._codec_inflight = None  # ([(request, frames)], audio on the device, dispatch time) not yet delivered
         self._stats = self._new_stats()
+        self._phases: dict[str, float] = {}  # seconds per phase of the current loop iteration (stall diagnosis)
         self._codec_countdown = cfg.codec_period  # decode steps until the next call for every playing stream
         # moving averages (seconds) of the interval between decode steps and of a codec call's latency: the horizon
         # of the "running dry" rule in `codec_takes`
@@ -351,10 +360,13 @@ class Engine:
         try:
             while not self.stop_flag.is_set():
                 self._drop_cancelled_waiting()
+                t0 = time.perf_counter()
                 admitted = self._admit()
+                self._phases["admit"] = time.perf_counter() - t0
                 self._log_stats()
                 if self.active_count() or self._inflight or self._codec_inflight:
                     self._tick()
+                    self._check_stall(time.perf_counter() - t0)
                 elif not admitted:
                     self.wake.wait(timeout=self._policy_wait() or 0.05)
                     self.wake.clear()
@@ -403,18 +415,13 @@ class Engine:
         free = self.cfg.max_streams - self.active_count()
         if free == 0 or not self.waiting:
             return False
-        if self._min_slack() < self.cfg.admit_guard_s:
+        new_s = self.cfg.admit_guard_s if self.cfg.admit_guard_new_s is None else self.cfg.admit_guard_new_s
+        if not guard_allows(self.slots, time.perf_counter(), self.cfg.admit_guard_s, new_s):
             return False
         if self.active_count() < self.cfg.prefill_busy_streams:
             return True
         age_ms = (time.perf_counter() - self.waiting[0].t_arrival) * 1e3
         return len(self.waiting) >= self.cfg.prefill_min_batch or age_ms >= self.cfg.prefill_max_wait_ms
-
-    def _min_slack(self) -> float:
-        """Smallest buffered audio (seconds) among the streams that are playing and still generating."""
-        now = time.perf_counter()
-        return min((r.t_audio_end - now for r in self.slots
-                    if r is not None and r.t_first_audio is not None and not r.chunk_done), default=float("inf"))
 
     def _admit(self) -> bool:
         if not self._should_admit():
@@ -466,14 +473,35 @@ class Engine:
         return True
 
     def _tick(self):
+        ph, t = self._phases, time.perf_counter()
+
+        def lap(name):
+            nonlocal t
+            now = time.perf_counter()
+            ph[name] = ph.get(name, 0.0) + now - t
+            t = now
+
+        for name in ("dispatch", "rows", "audio", "codec"):
+            ph[name] = 0.0
         if self.active_count():
             self._dispatch_step()
+        lap("dispatch")
         while len(self._inflight) > (self.cfg.pipeline_depth if self.active_count() else 0):
-            self._process_rows(*self._inflight.popleft())
-        self._deliver_audio()
+            self._process_rows(*self._inflight.popleft())  # waits for the step's rows
+        lap("rows")
+        self._deliver_audio()  # waits for the codec call's PCM
+        lap("audio")
         self._dispatch_codec()
+        lap("codec")
         if self.cfg.pipeline_depth == 0:
             self._deliver_audio()
+            lap("audio")
+
+    def _check_stall(self, seconds: float):
+        msg = slow_iteration_message(self._phases, seconds, self.cfg.stall_warn_s)
+        if msg:
+            self.metrics.stalls.inc()
+            log.warning("%s; %d active, %d waiting", msg, self.active_count(), len(self.waiting))
 
     def _dispatch_step(self):
         t0 = time.perf_counter()
@@ -535,7 +563,8 @@ class Engine:
         self._codec_countdown -= 1
         periodic = self._codec_countdown <= 0
         # the next periodic call's audio lands after the steps still to run plus one codec call
-        horizon = (self._codec_countdown + 1) * self._step_interval_s + self._codec_latency_s
+        horizon = ((self._codec_countdown + 1) * self._step_interval_s + self._codec_latency_s
+                   if self.cfg.codec_bridge else 0.0)
         ready = codec_takes(self.slots, periodic, self.cfg.codec_first_chunk, self.cfg.codec_buckets[-1],
                             now=time.perf_counter(), horizon_s=horizon)
         if periodic:
@@ -634,6 +663,53 @@ def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float
         if first_ready or running_dry or (periodic and (r.audio_chunks > 0 or r.chunk_done)):
             ready.append((s, r, min(len(r.pending), cap)))
     return ready
+
+
+def guard_allows(slots, now: float, guard_s: float, guard_new_s: float) -> bool:
+    """The admission guard: True when every stream that is playing and still generating has at least `guard_s` of
+    audio buffered (`t_audio_end - now`), or `guard_new_s` if it has played only its first chunk. A new stream's
+    first chunk is short (`codec_first_chunk` frames) and its second comes from the bridge rule of `codec_takes`, so
+    with one threshold for all, each admission blocks the next until the new streams' next periodic chunk."""
+    for r in slots:
+        if r is None or r.t_first_audio is None or r.chunk_done:
+            continue
+        if r.t_audio_end - now < (guard_new_s if r.audio_chunks <= 1 else guard_s):
+            return False
+    return True
+
+
+def slow_iteration_message(phases: dict[str, float], seconds: float, threshold_s: float) -> str | None:
+    """The warning for an engine loop iteration of `seconds` (phase name -> seconds), or None if it was not slow."""
+    if not threshold_s or seconds < threshold_s:
+        return None
+    parts = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 1e-3)
+    return f"engine: slow iteration {1e3 * seconds:.0f} ms ({parts})"
+
+
+class GcPauseMonitor:
+    """Times Python's garbage collections (all generations) into a histogram and logs those longer than
+    `warn_s`. Install once per process; collections run in whatever thread allocates, the engine's included."""
+
+    def __init__(self, histogram, warn_s: float):
+        self.histogram, self.warn_s, self._t0 = histogram, warn_s, None
+
+    def __call__(self, phase: str, info: dict):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            dt, self._t0 = time.perf_counter() - self._t0, None
+            self.histogram.observe(dt)
+            if self.warn_s and dt >= self.warn_s:
+                log.warning("garbage collection of generation %d took %.0f ms (%d collected)", info["generation"],
+                            1e3 * dt, info["collected"])
+
+    def install(self):
+        gc.callbacks.append(self)
+        return self
+
+    def uninstall(self):
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
 
 
 def _ema(avg: float, x: float, weight: float = 0.1) -> float:

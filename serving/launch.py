@@ -10,6 +10,7 @@ whole pipeline works, the audio is noise. The log and /v1/models say so.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import tempfile
 import threading
@@ -41,10 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-max-wait-ms", type=float, default=100.0)
     ap.add_argument("--admit-guard-s", type=float, default=0.25,
                     help="admit new requests only while every playing stream has this much audio buffered")
+    ap.add_argument("--admit-guard-new-s", type=float, default=None,
+                    help="the same for streams that have played only their first chunk (default: --admit-guard-s)")
     ap.add_argument("--codec-first-chunk", type=int, default=4, help="frames in a stream's first audio chunk")
     ap.add_argument("--codec-chunk", type=int, default=8, help="most frames of one stream per codec call")
     ap.add_argument("--codec-period", type=int, default=8,
                     help="decode steps between the codec calls that serve every playing stream")
+    ap.add_argument("--codec-bridge", action=argparse.BooleanOptionalAction, default=True,
+                    help="between periodic calls, give a new stream a second chunk when its first would run dry")
     ap.add_argument("--codec-batch-sizes", type=int, nargs="+", default=[8],
                     help="streams per codec call are padded to one of these (or to --max-streams)")
     ap.add_argument("--encode-warmup", default="start", choices=["start", "background", "lazy"],
@@ -53,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile-threads", type=int, default=1, help="start-up compilations run at once")
     ap.add_argument("--pipeline-depth", type=int, default=1, choices=[0, 1],
                     help="decode steps in flight while the host processes the previous one")
+    ap.add_argument("--stall-warn-s", type=float, default=0.25,
+                    help="log engine iterations, garbage collections and XLA compilations after start-up that take "
+                         "longer than this (0: never)")
     ap.add_argument("--voices-dir", default=None, help="where uploaded voices are stored (default: a temp dir)")
     ap.add_argument("--allowed-local-media-path", default=None, help="directory file:// references may read")
     ap.add_argument("--benchmark-mode", action="store_true", help="accept ignore_eos / forced_frames")
@@ -111,15 +119,22 @@ def main(argv=None):
 
     from drama3_jax.backbone import Backends
     from serving.api import ServerState, create_app
-    from serving.engine import Engine, EngineConfig
+    from serving.engine import Engine, EngineConfig, GcPauseMonitor
     from serving.metrics import Metrics
     from serving.references import ReferenceResolver
     from serving.voices import VoiceStore
 
     metrics = Metrics()
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _d, **_k: metrics.compilations.inc() if event == "/jax/core/compile/backend_compile_duration"
-        else None)
+    serving_started = threading.Event()
+
+    def on_compile(event, seconds, **_kw):
+        if event != "/jax/core/compile/backend_compile_duration":
+            return
+        metrics.compilations.inc()
+        if serving_started.is_set() and args.stall_warn_s and seconds >= args.stall_warn_s:
+            log.warning("XLA compilation while serving took %.1f s (a shape compiled on first use)", seconds)
+
+    jax.monitoring.register_event_duration_secs_listener(on_compile)
     dtype = jnp.dtype(args.dtype)
     t0 = time.perf_counter()
     if args.checkpoint:
@@ -149,10 +164,12 @@ def main(argv=None):
                        prefill_batch_sizes=tuple(sorted(args.prefill_batch_sizes)), prefill_chunk=args.prefill_chunk,
                        prefill_busy_streams=args.prefill_busy_streams, prefill_min_batch=args.prefill_min_batch,
                        prefill_max_wait_ms=args.prefill_max_wait_ms, admit_guard_s=args.admit_guard_s,
+                       admit_guard_new_s=args.admit_guard_new_s,
                        codec_first_chunk=args.codec_first_chunk,
                        codec_chunk=args.codec_chunk, codec_batch_sizes=tuple(args.codec_batch_sizes),
-                       codec_period=args.codec_period,
+                       codec_period=args.codec_period, codec_bridge=args.codec_bridge,
                        pipeline_depth=args.pipeline_depth, compile_threads=args.compile_threads,
+                       stall_warn_s=args.stall_warn_s,
                        encode_warmup=args.encode_warmup,
                        benchmark_mode=args.benchmark_mode, dtype=args.dtype, ssm_state_dtype=args.ssm_state_dtype,
                        backends=Backends.auto() if args.kernels == "auto" else Backends())
@@ -168,6 +185,12 @@ def main(argv=None):
              cfg.prefill_batch_sizes, cfg.prefill_chunk)
     dt = engine.warm_up()
     log.info("warm-up (compilation) took %.1f s", dt)
+    # the model, JAX and the compiled executables are long-lived: move them out of the collector's generations so
+    # that a full collection while serving scans only what requests allocate; time every collection from now on
+    gc.collect()
+    gc.freeze()
+    GcPauseMonitor(metrics.gc_pause_seconds, args.stall_warn_s).install()
+    serving_started.set()
     engine.start()
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.shutdown_timeout + 5))

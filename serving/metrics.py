@@ -31,6 +31,10 @@ class Metrics:
         self.compile_seconds = Gauge("drama3_warmup_compile_seconds", "start-up compilation time", registry=r)
         self.warmup_pending = Gauge("drama3_warmup_pending", "shapes still compiling in the background after ready",
                                     registry=r)
+        self.stalls = Counter("drama3_engine_stalls", "engine loop iterations slower than --stall-warn-s (each logged "
+                              "with its phase times)", registry=r)
+        self.gc_pause_seconds = Histogram("drama3_gc_pause_seconds", "Python garbage collection pauses",
+                                          buckets=_STEP, registry=r)
         self.compilations = Counter("drama3_xla_compilations", "XLA backend compilations in this process",
                                     registry=r)
 

@@ -34,7 +34,8 @@ def sync_engine():
     talker, tok, codec = tiny_random_parts(jnp.float32)
     eng = Engine(talker, tok, codec, EngineConfig(max_streams=4, max_new_tokens=10, max_prompt_rows=512,
                                                   prefill_chunk=128, prefill_batch_sizes=(1,), codec_first_chunk=4,
-                                                  codec_chunk=8, codec_period=4, pipeline_depth=0))
+                                                  codec_chunk=8, codec_period=4, pipeline_depth=0,
+                                                  stall_warn_s=1e-9))  # every iteration counts as a stall
     eng.start()
     yield eng
     eng.shutdown(5)
@@ -108,6 +109,36 @@ def test_codec_runs_per_period_not_per_frame(sync_engine):
     assert audio == 10 * sync_engine.codec.frame_length
     assert _sample_value(m.codec_frames, "_total", kind="used") - used0 == 10
     assert 2 <= _sample_value(m.codec_seconds, "_count") - calls0 <= 4
+    assert _sample_value(m.stalls, "_total") >= 10  # stall_warn_s ~0: each of the >= 10 iterations was reported
+
+
+def test_slow_iteration_message_names_the_phases_slowest_first():
+    from serving.engine import slow_iteration_message
+
+    phases = {"admit": 0.002, "rows": 0.31, "codec": 0.0004, "audio": 0.05}
+    assert slow_iteration_message(phases, 0.2, threshold_s=0.25) is None
+    assert slow_iteration_message(phases, 0.4, threshold_s=0) is None  # 0 = never
+    assert slow_iteration_message(phases, 0.4, threshold_s=0.25) == (
+        "engine: slow iteration 400 ms (rows 310 ms, audio 50 ms, admit 2 ms)")
+
+
+def test_gc_pause_monitor_times_collections_and_warns(caplog):
+    import gc
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from serving.engine import GcPauseMonitor
+
+    hist = Histogram("gc_pause_test", "test", registry=CollectorRegistry())
+    mon = GcPauseMonitor(hist, warn_s=1e-9).install()
+    try:
+        with caplog.at_level("WARNING", logger="serving.engine"):
+            gc.collect()
+    finally:
+        mon.uninstall()
+    assert mon not in gc.callbacks
+    assert _sample_value(hist, "_count") >= 1
+    assert "garbage collection of generation 2" in caplog.text
 
 
 def _talker(engine):
@@ -160,3 +191,26 @@ def test_codec_takes_bridges_a_first_chunk_that_would_run_dry():
     assert codec_takes(slots, periodic=False, first_chunk=4, cap=8, now=now, horizon_s=0.01) == []
     assert codec_takes(slots, periodic=True, first_chunk=4, cap=8, now=now, horizon_s=0.2) == [
         (i, r, len(r.pending)) for i, r in enumerate(slots)]
+
+
+def test_admission_guard_has_its_own_threshold_for_streams_on_their_first_chunk():
+    """Every playing, still-generating stream needs `guard_s` of buffered audio, one that has played only its first
+    chunk `guard_new_s`; streams not yet playing and streams whose text ended do not count."""
+    from types import SimpleNamespace as R
+
+    from serving.engine import guard_allows
+
+    now = 5.0
+
+    def req(chunks, buffered, playing=True, done=False):
+        return R(t_first_audio=1.0 if playing else None, chunk_done=done, audio_chunks=chunks,
+                 t_audio_end=now + buffered)
+
+    steady = req(3, 0.30)
+    new = req(1, 0.15)
+    others = [None, req(0, -9, playing=False), req(4, 0.0, done=True)]
+    assert guard_allows([steady, *others], now, 0.25, 0.25)
+    assert not guard_allows([steady, new, *others], now, 0.25, 0.25)   # one threshold: the new stream blocks
+    assert guard_allows([steady, new, *others], now, 0.25, 0.1)        # its own, lower threshold
+    assert not guard_allows([req(3, 0.2), new], now, 0.25, 0.1)        # a steady stream below 0.25 s still blocks
+    assert guard_allows([], now, 0.25, 0.1)
