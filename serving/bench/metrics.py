@@ -87,13 +87,23 @@ def playback_gaps(chunks: list[tuple[float, int]], sample_rate: int) -> list[tup
     return gaps
 
 
+def start_gap(chunks: list[tuple[float, int]], sample_rate: int) -> float:
+    """The player's stall right after the first chunk (before the second non-empty one arrives), 0 if none: the gap a
+    server's chunk schedule causes at the start, told apart from stalls later in the stream."""
+    audio = [(a, n) for a, n in chunks if n > 0]
+    if len(audio) < 2:
+        return 0.0
+    (a0, n0), (a1, _) = audio[:2]
+    return max(0.0, a1 - (a0 + audio_seconds(n0, sample_rate)))
+
+
 def request_metrics(t: Trace, sample_rate: int) -> dict:
     """Per-request numbers of a good stream (see module doc)."""
     gaps = playback_gaps(t.chunks, sample_rate)
     return {"id": t.id, "ttfa_s": ttfa(t), "rtf": rtf(t, sample_rate),
             "audio_s": audio_seconds(t.audio_bytes, sample_rate), "latency_s": t.chunks[-1][0] - t.send,
             "n_chunks": len(t.chunks), "n_gaps": len(gaps), "max_gap_s": max((g for _, g in gaps), default=0.0),
-            "underrun_s": sum(g for _, g in gaps)}
+            "underrun_s": sum(g for _, g in gaps), "start_gap_s": start_gap(t.chunks, sample_rate)}
 
 
 def percentile(values, q: float) -> float:
@@ -119,6 +129,9 @@ def round_summary(traces: list[Trace], sample_rate: int, frame_samples: int) -> 
         "ttfa_ms": {f"p{q}": 1e3 * percentile(ttfas, q) for q in (50, 90, 99)} | {"mean": _mean(ttfas, 1e3)},
         "rtf": {"p50": percentile(rtfs, 50), "p90": percentile(rtfs, 90), "mean": _mean(rtfs)},
         "broken": sum(p["max_gap_s"] > BROKEN_GAP_S for p in per),
+        # of those, the streams whose stall right after the first chunk already breaks them
+        "broken_at_start": sum(p["start_gap_s"] > BROKEN_GAP_S for p in per),
+        "start_gaps": sum(p["start_gap_s"] > 0 for p in per),
         "underrun_events": sum(p["n_gaps"] for p in per),
         "underrun_total_s": sum(under),
         "underrun_ms": {"p50": 1e3 * percentile(under, 50), "p99": 1e3 * percentile(under, 99)},
@@ -132,7 +145,7 @@ def _mean(values, scale: float = 1.0) -> float:
 
 def average_rounds(rounds: list[dict]) -> dict:
     """Mean over rounds of every numeric leaf; counts (requests, ok, broken, events, failures) are summed."""
-    summed = {"requests", "ok", "broken", "underrun_events"}
+    summed = {"requests", "ok", "broken", "broken_at_start", "start_gaps", "underrun_events"}
     out: dict = {"rounds": len(rounds)}
     for key, first in rounds[0].items():
         if key == "failures":

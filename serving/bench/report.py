@@ -45,7 +45,7 @@ def _f(x: float | None, fmt: str) -> str:
 def markdown_table(levels: list[dict]) -> str:
     """One row per concurrency level (means over rounds), beside the published figures."""
     head = ("| streams | rounds | ok / failed | audio s/s | frames/s | TTFA p50 / p90 / p99 ms | RTF p50 / p90 / mean "
-            "| broken | C50 / C100 / C200 | underrun s | published audio s/s / RTF / TTFA p50 ms / broken |\n"
+            "| broken (at start) | C50 / C100 / C200 | underrun s | published audio s/s / RTF / TTFA p50 ms / broken |\n"
             "|---:|---:|---:|---:|---:|---|---|---:|---|---:|---|\n")
     rows = []
     for lv in levels:
@@ -58,7 +58,7 @@ def markdown_table(levels: list[dict]) -> str:
             f"| {c} | {m['rounds']} | {m['ok']} / {sum(m['failures'].values())} | {_f(m['audio_s_per_s'], '.2f')} "
             f"| {_f(m['frames_per_s'], '.1f')} | {_f(t['p50'], '.0f')} / {_f(t['p90'], '.0f')} / "
             f"{_f(t['p99'], '.0f')} | {_f(r['p50'], '.3f')} / {_f(r['p90'], '.3f')} / {_f(r['mean'], '.3f')} "
-            f"| {m['broken']} | {_f(k['C50'], '.0%')} / {_f(k['C100'], '.0%')} / {_f(k['C200'], '.0%')} "
+            f"| {m['broken']} ({m.get('broken_at_start', '-')}) | {_f(k['C50'], '.0%')} / {_f(k['C100'], '.0%')} / {_f(k['C200'], '.0%')} "
             f"| {_f(m['underrun_total_s'], '.2f')} | {pub_s} |")
     return head + "\n".join(rows) + "\n"
 

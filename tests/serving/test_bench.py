@@ -15,7 +15,8 @@ from scripts.bench_serve import main
 from serving.bench.client import Sampling, request_body, run_batch
 from serving.bench.dataset import (BenchRequest, forced_frames_for, load_seedtts, synthetic, warmup_requests)
 from serving.bench.launcher import healthy
-from serving.bench.metrics import (Trace, average_rounds, playback_gaps, request_metrics, round_summary)
+from serving.bench.metrics import (Trace, average_rounds, playback_gaps, request_metrics, round_summary,
+                                   start_gap)
 from tests.serving import fake_tts_server
 from tests.serving.conftest import free_port
 
@@ -51,6 +52,9 @@ def test_player_gaps_ttfa_rtf_exact():
     assert [g for _, g in playback_gaps(b.chunks, SR)] == pytest.approx([0.05, 0.07])
     assert mb["ttfa_s"] == pytest.approx(0.1) and mb["rtf"] == pytest.approx(0.42 / 0.3)
     assert mb["max_gap_s"] == pytest.approx(0.07) and mb["underrun_s"] == pytest.approx(0.12)
+    # the stall right after the first chunk: b's first gap (50 ms), none for a (its gap comes at the third chunk)
+    assert ma["start_gap_s"] == 0.0 and mb["start_gap_s"] == pytest.approx(0.05)
+    assert start_gap([(0.0, BPS), (1.25, BPS)], SR) == pytest.approx(0.25) and start_gap([(0.0, BPS)], SR) == 0.0
     assert playback_gaps([(0.0, BPS), (0.5, BPS), (1.9, BPS)], SR) == []  # always ahead of the player
 
 
@@ -66,6 +70,7 @@ def test_round_summary_and_average_exact():
     assert s["ttfa_ms"]["p50"] == pytest.approx(150) and s["ttfa_ms"]["p90"] == pytest.approx(190)
     assert s["rtf"]["mean"] == pytest.approx((0.85 + 1.4) / 2) and s["rtf"]["p50"] == pytest.approx(1.125)
     assert s["broken"] == 1 and s["underrun_events"] == 3 and s["underrun_total_s"] == pytest.approx(0.27)
+    assert s["start_gaps"] == 1 and s["broken_at_start"] == 0  # a broke at its third chunk, b's start gap is 50 ms
     assert s["continuity"] == {"C50": 0.0, "C100": 0.0, "C200": 1.0}
     avg = average_rounds([s, round_summary(traces[:2], SR, FRAME)])
     assert avg["rounds"] == 2 and avg["requests"] == 9 and avg["ok"] == 4 and avg["broken"] == 2
