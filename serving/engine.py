@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import itertools
 import logging
 import os
@@ -684,32 +683,6 @@ def slow_iteration_message(phases: dict[str, float], seconds: float, threshold_s
         return None
     parts = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 1e-3)
     return f"engine: slow iteration {1e3 * seconds:.0f} ms ({parts})"
-
-
-class GcPauseMonitor:
-    """Times Python's garbage collections (all generations) into a histogram and logs those longer than
-    `warn_s`. Install once per process; collections run in whatever thread allocates, the engine's included."""
-
-    def __init__(self, histogram, warn_s: float):
-        self.histogram, self.warn_s, self._t0 = histogram, warn_s, None
-
-    def __call__(self, phase: str, info: dict):
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        elif self._t0 is not None:
-            dt, self._t0 = time.perf_counter() - self._t0, None
-            self.histogram.observe(dt)
-            if self.warn_s and dt >= self.warn_s:
-                log.warning("garbage collection of generation %d took %.0f ms (%d collected)", info["generation"],
-                            1e3 * dt, info["collected"])
-
-    def install(self):
-        gc.callbacks.append(self)
-        return self
-
-    def uninstall(self):
-        if self in gc.callbacks:
-            gc.callbacks.remove(self)
 
 
 def _ema(avg: float, x: float, weight: float = 0.1) -> float:

@@ -119,8 +119,8 @@ def main(argv=None):
 
     from drama3_jax.backbone import Backends
     from serving.api import ServerState, create_app
-    from serving.engine import Engine, EngineConfig, GcPauseMonitor
-    from serving.metrics import Metrics
+    from serving.engine import Engine, EngineConfig
+    from serving.metrics import GcPauseMonitor, Metrics
     from serving.references import ReferenceResolver
     from serving.voices import VoiceStore
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import logging
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0, 30.0)
+log = logging.getLogger(__name__)
 _STEP = (0.001, 0.002, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
@@ -40,3 +45,29 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class GcPauseMonitor:
+    """Times Python's garbage collections (all generations) into a histogram and logs those longer than
+    `warn_s`. Install once per process; collections run in whatever thread allocates, the engine's included."""
+
+    def __init__(self, histogram, warn_s: float):
+        self.histogram, self.warn_s, self._t0 = histogram, warn_s, None
+
+    def __call__(self, phase: str, info: dict):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            dt, self._t0 = time.perf_counter() - self._t0, None
+            self.histogram.observe(dt)
+            if self.warn_s and dt >= self.warn_s:
+                log.warning("garbage collection of generation %d took %.0f ms (%d collected)", info["generation"],
+                            1e3 * dt, info["collected"])
+
+    def install(self):
+        gc.callbacks.append(self)
+        return self
+
+    def uninstall(self):
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)

@@ -122,25 +122,6 @@ def test_slow_iteration_message_names_the_phases_slowest_first():
         "engine: slow iteration 400 ms (rows 310 ms, audio 50 ms, admit 2 ms)")
 
 
-def test_gc_pause_monitor_times_collections_and_warns(caplog):
-    import gc
-
-    from prometheus_client import CollectorRegistry, Histogram
-
-    from serving.engine import GcPauseMonitor
-
-    hist = Histogram("gc_pause_test", "test", registry=CollectorRegistry())
-    mon = GcPauseMonitor(hist, warn_s=1e-9).install()
-    try:
-        with caplog.at_level("WARNING", logger="serving.engine"):
-            gc.collect()
-    finally:
-        mon.uninstall()
-    assert mon not in gc.callbacks
-    assert _sample_value(hist, "_count") >= 1
-    assert "garbage collection of generation 2" in caplog.text
-
-
 def _talker(engine):
     from flax import nnx
 
