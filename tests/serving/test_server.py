@@ -44,7 +44,8 @@ def test_health_models_metrics(server):
     assert models[0]["id"] == "drama-3" and "RANDOM" in models[0]["description"]
     text = httpx.get(server["base"] + "/metrics").text
     for name in ("drama3_queue_depth", "drama3_active_streams", "drama3_time_to_first_audio_seconds_bucket",
-                 "drama3_decode_step_seconds_count", "drama3_generated_frames_total"):
+                 "drama3_decode_step_seconds_count", "drama3_generated_frames_total", "drama3_engine_stalls_total",
+                 "drama3_gc_pause_seconds_count"):
         assert name in text
 
 
