@@ -48,8 +48,8 @@ class Metrics:
 
 
 class GcPauseMonitor:
-    """Times Python's garbage collections (all generations) into a histogram and logs those longer than
-    `warn_s`. Install once per process; collections run in whatever thread allocates, the engine's included."""
+    """Times Python's garbage collections (all generations) into a histogram (None: none) and logs those longer
+    than `warn_s`. Install once per process; collections run in whatever thread allocates, the engine's included."""
 
     def __init__(self, histogram, warn_s: float):
         self.histogram, self.warn_s, self._t0 = histogram, warn_s, None
@@ -59,7 +59,8 @@ class GcPauseMonitor:
             self._t0 = time.perf_counter()
         elif self._t0 is not None:
             dt, self._t0 = time.perf_counter() - self._t0, None
-            self.histogram.observe(dt)
+            if self.histogram is not None:
+                self.histogram.observe(dt)
             if self.warn_s and dt >= self.warn_s:
                 log.warning("garbage collection of generation %d took %.0f ms (%d collected)", info["generation"],
                             1e3 * dt, info["collected"])
