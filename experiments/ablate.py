@@ -48,7 +48,7 @@ from serving.bench.dataset import synthetic, warmup_requests  # noqa: E402
 from serving.bench.metrics import BYTES_PER_SAMPLE, Trace, average_rounds, round_summary  # noqa: E402
 from serving.api import ServerState, prepare_request  # noqa: E402
 from serving.engine import Engine, EngineConfig  # noqa: E402
-from serving.metrics import GcPauseMonitor  # noqa: E402
+from serving.metrics import freeze_heap_and_watch_gc  # noqa: E402
 from serving.protocol import SpeechRequest  # noqa: E402
 from serving.references import ReferenceResolver  # noqa: E402
 from serving.voices import VoiceStore  # noqa: E402
@@ -338,9 +338,7 @@ def main(argv=None):
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     talker, tok, codec = build_parts(args.preset)
-    gc.collect()
-    gc.freeze()  # as the server does after start-up; long collections are logged, as there
-    GcPauseMonitor(None, EngineConfig.stall_warn_s).install()
+    freeze_heap_and_watch_gc(None, EngineConfig.stall_warn_s)  # as the server does after start-up
     weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(talker)))
     log(f"{args.preset} model built in {time.perf_counter() - t0:.1f} s ({weights / 2**30:.2f} GiB of weights)")
 

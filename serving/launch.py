@@ -10,7 +10,6 @@ whole pipeline works, the audio is noise. The log and /v1/models say so.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import tempfile
 import threading
@@ -120,7 +119,7 @@ def main(argv=None):
     from drama3_jax.backbone import Backends
     from serving.api import ServerState, create_app
     from serving.engine import Engine, EngineConfig
-    from serving.metrics import GcPauseMonitor, Metrics
+    from serving.metrics import Metrics, freeze_heap_and_watch_gc
     from serving.references import ReferenceResolver
     from serving.voices import VoiceStore
 
@@ -185,11 +184,7 @@ def main(argv=None):
              cfg.prefill_batch_sizes, cfg.prefill_chunk)
     dt = engine.warm_up()
     log.info("warm-up (compilation) took %.1f s", dt)
-    # the model, JAX and the compiled executables are long-lived: move them out of the collector's generations so
-    # that a full collection while serving scans only what requests allocate; time every collection from now on
-    gc.collect()
-    gc.freeze()
-    GcPauseMonitor(metrics.gc_pause_seconds, args.stall_warn_s).install()
+    freeze_heap_and_watch_gc(metrics.gc_pause_seconds, args.stall_warn_s)
     serving_started.set()
     engine.start()
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

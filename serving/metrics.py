@@ -72,3 +72,12 @@ class GcPauseMonitor:
     def uninstall(self):
         if self in gc.callbacks:
             gc.callbacks.remove(self)
+
+
+def freeze_heap_and_watch_gc(histogram, warn_s: float) -> GcPauseMonitor:
+    """Call once the model is built and compiled: move the long-lived heap (model, JAX, executables) out of the
+    collector's generations, so a full collection while serving scans only what requests allocate, then time every
+    collection from now on (see GcPauseMonitor)."""
+    gc.collect()
+    gc.freeze()
+    return GcPauseMonitor(histogram, warn_s).install()
