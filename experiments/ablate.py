@@ -87,6 +87,12 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                       lambda c: dataclasses.replace(c, codec_first_chunk=3)),
     "codec_batches_32_64": ("codec batch sizes (8, pool) -> (8, 32, 64, pool)",
                             lambda c: dataclasses.replace(c, codec_batch_sizes=(8, 32, 64))),
+    # the decode step's cost follows the slot pool, not the active streams: a pool smaller than the concurrency
+    # (arrivals beyond it queue, as the admission guard makes them do anyway)
+    "pool_0.75x": ("slot pool = concurrency -> 3/4 of it", lambda c: dataclasses.replace(c, max_streams=max(
+        1, c.max_streams * 3 // 4))),
+    "pool_0.875x": ("slot pool = concurrency -> 7/8 of it", lambda c: dataclasses.replace(c, max_streams=max(
+        1, c.max_streams * 7 // 8))),
     "gdn_ref": ("GDN Pallas kernels (prefill + decode) -> jnp reference", _backends(gdn_prefill="reference",
                                                                                     gdn_decode="reference")),
     "moe_xla": ("Pallas MoE -> XLA ragged_dot", _backends(moe="xla_ragged_dot")),
@@ -107,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="full: full-size random-weight model built on the device; tiny: the embedded smoke model")
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
                     help="configurations to run, in this order")
-    ap.add_argument("--streams", type=int, default=128, help="concurrency C = engine slots")
+    ap.add_argument("--streams", type=int, default=128, help="concurrency C = engine slots (except in the pool_* rows)")
     ap.add_argument("--requests", type=int, default=None, help="requests per timed round (default: --streams)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=8, help="distinct warm-up requests per configuration, dropped")
@@ -230,14 +236,14 @@ def run_config(talker, tok, codec, cfg: EngineConfig, timed: list[dict], warm: l
     try:
         compile_s = engine.warm_up()
         engine.start()
-        warm_traces, errors = drive(engine, warm, cfg.max_streams, args.timeout) if warm else ([], [])
+        warm_traces, errors = drive(engine, warm, args.streams, args.timeout) if warm else ([], [])
         names = ("drama3_decode_step_seconds", "drama3_prefill_seconds", "drama3_codec_step_seconds")
         before = {n: _histogram(engine, n) for n in names}
         rounds, profiled = [], {}
         for i in range(args.rounds):
             tracer = (trace_later(args.trace_delay_s, trace_s, tempfile.mkdtemp(prefix="engine-trace-"), profiled)
                       if trace_s and i == 0 else None)
-            traces, errs = drive(engine, timed, cfg.max_streams, args.timeout)
+            traces, errs = drive(engine, timed, args.streams, args.timeout)
             if tracer is not None:
                 tracer.join()
             errors += errs

@@ -48,7 +48,14 @@ KEXTRA = {}  # extra kwargs for every Pallas call ({"interpret": True} in --cpu-
 # the default; this list sweeps the prefetch depth (state tiles loaded ahead of the current tile's store).
 DECODE_VARIANTS = {"triton": {}, "triton_pf2": {"prefetch": 2}, "triton_pf3": {"prefetch": 3},
                    "triton_pf7": {"prefetch": 7}, "triton_bv16_pf4": {"bv": 16, "prefetch": 4},
-                   "triton_bv64_w8_pf2": {"bv": 64, "num_warps": 8, "prefetch": 2}}
+                   "triton_bv64_w8_pf2": {"bv": 64, "num_warps": 8, "prefetch": 2},
+                   # one state tile per program (grid (stream, value head, bv slice)), conv shift by XLA
+                   "tiles_bv32_w4": {"grid": "tiles", "bv": 32, "num_warps": 4},
+                   "tiles_bv32_w2": {"grid": "tiles", "bv": 32, "num_warps": 2},
+                   "tiles_bv64_w4": {"grid": "tiles", "bv": 64, "num_warps": 4},
+                   "tiles_bv64_w8": {"grid": "tiles", "bv": 64, "num_warps": 8},
+                   "tiles_bv128_w8": {"grid": "tiles", "bv": 128, "num_warps": 8},
+                   "tiles_bv16_w1": {"grid": "tiles", "bv": 16, "num_warps": 1}}
 PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_bv32": {"bv": 32},
                     "triton_inv8": {"inv_num_warps": 8}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
@@ -155,7 +162,8 @@ def phase_check(jax, jnp, np, args):
     for sdt in (jnp.float32, jnp.bfloat16):
         ssm = (jax.random.normal(ks[6], (S, HV, D, D)) * 0.1).astype(sdt)
         # every timed decode variant is checked in fp32; the bf16 pool with the default tuning and one more
-        dvars = DECODE_VARIANTS if sdt == jnp.float32 else {n: DECODE_VARIANTS[n] for n in list(DECODE_VARIANTS)[:2]}
+        dvars = DECODE_VARIANTS if sdt == jnp.float32 else {n: v for i, (n, v) in enumerate(DECODE_VARIANTS.items())
+                                                             if i < 2 or v.get("grid") == "tiles"}
         with jax.default_matmul_precision("highest"):
             o_r, c_r, s_r = jax.jit(lambda *A: reference.gdn_decode_step(*A, **kw))(x, a, b, conv, ssm, w, A_log,
                                                                                      dt_bias)
@@ -571,6 +579,8 @@ def main():
     ap.add_argument("--prefill-deadline", type=float, default=1e9, help="prefill configs skipped after (s)")
     ap.add_argument("--decode-deadline", type=float, default=1e9, help="decode configs skipped after (s)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode-variants", default=None,
+                    help="comma-separated names of DECODE_VARIANTS to check and time (default: all)")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which long phases stop early")
     ap.add_argument("--report-only", default=None)
     ap.add_argument("--fla-budget", type=float, default=1e9, help="FLA shapes are skipped after this time (s)")
@@ -587,6 +597,13 @@ def main():
         CONV = 2 * HK * D + HV * D
         STREAMS, PREFILL, MAX_SLOT_BLOCKS = [2], [(1, 130), (2, 64)], 2
         KEXTRA["interpret"] = True
+    if args.decode_variants:
+        keep = args.decode_variants.split(",")
+        unknown = set(keep) - set(DECODE_VARIANTS)
+        if unknown:
+            raise SystemExit(f"unknown decode variants {sorted(unknown)}; known: {list(DECODE_VARIANTS)}")
+        for name in [n for n in DECODE_VARIANTS if n not in keep and n != "triton"]:  # the default stays first
+            del DECODE_VARIANTS[name]
     if args.report_only:
         R.update(json.load(open(args.report_only)))
         print(report(os.path.dirname(args.report_only)))

@@ -12,7 +12,8 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
   barriers (threads holding replicated copies of a channel must all have read the old rows; an H200 run without
   them gave wrong results for some tunings). Design after vLLM's `fused_sigmoid_gating_delta_rule_update`
   (one program per (stream, value-head, V-slice), state read/written in place at the slot index), here fused
-  further with the conv1d update.
+  further with the conv1d update. Tuning `grid="tiles"` is that design unfused: one program per (stream, value
+  head, bv slice), the conv state only read in the kernel and shifted by one XLA op after it.
 
 * `gated_delta_chunk_prefill_triton` - chunked prefill (chunk 64, WY/UT form) for a right-padded batch with
   per-sequence lengths, initial state in, final state out, q/k L2 norm fused. Three launches:
@@ -55,7 +56,9 @@ f32 = jnp.float32
 # SMs at bv 64, e.g. B=1) takes bv 32 (0.47 vs 0.55 ms at B=1, T=4096) and a larger one bv 64 (0.82 vs 0.95 ms at
 # B=8, T=1024). `bv: None` = that automatic choice.
 TUNING = {
-    "decode": {"bv": 32, "num_warps": 4, "num_stages": 1, "prefetch": 1},
+    # grid "heads": one program per (stream, key head), conv shift in the kernel; "tiles": one program per (stream,
+    # value head, bv slice), the conv shift left to XLA (see `_decode_tile_kernel`)
+    "decode": {"grid": "heads", "bv": 32, "num_warps": 4, "num_stages": 1, "prefetch": 1},
     # bf16 state pools: tiles are half the registers, so three can be in flight (H200, 2026-12-01, 128 streams:
     # 0.162 ms vs 0.169 with one; fp32 stays at one: 0.213 vs 0.217 / 0.228 with two / three)
     "decode_bf16_state": {"prefetch": 3},
@@ -172,16 +175,62 @@ def _decode_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, con
             conv_out_ref[slot, i, pl.ds(off, n)] = row.astype(xdt).astype(conv_out_ref.dtype)
 
 
+def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref, state_ref,
+                        o_ref, state_out_ref, *, hk, dk, dv, rep, bv, ksize):
+    """One [D_k, bv] state tile per program (grid (stream, value head, D_v slice)): many small independent programs
+    instead of a loop over a key head's tiles, so the state traffic is spread over the whole GPU. Each program
+    recomputes its key head's conv'd q/k (cheap, L2-resident) and reads the conv state only; the caller shifts the
+    conv state afterwards (programs of one key head share q/k channels, so an in-kernel shift would race)."""
+    bi = pl.program_id(0)
+    h = pl.program_id(1)
+    j = pl.program_id(2)
+    slot = slots_ref[bi]
+    kh = h // rep
+    kd = hk * dk
+    xdt = x_ref.dtype
+
+    def conv(off, n):
+        ch = pl.ds(off, n)
+        xs = [conv_ref[slot, i, ch].astype(xdt) for i in range(ksize - 1)] + [x_ref[bi, ch]]
+        y = xs[0].astype(f32) * w_ref[ch, 0].astype(f32)
+        for i in range(1, ksize):
+            y = y + xs[i].astype(f32) * w_ref[ch, i].astype(f32)
+        return y * jax.nn.sigmoid(y)
+
+    s = state_ref[slot, h, :, pl.ds(j * bv, bv)].astype(f32)  # issued first: the longest latency
+    q = _l2n(conv(kh * dk, dk)) * (dk ** -0.5)
+    k = _l2n(conv(kd + kh * dk, dk))
+    v = conv(2 * kd + h * dv + j * bv, bv)
+    g = -jnp.exp(alog_ref[h].astype(f32)) * _softplus(a_ref[bi, h].astype(f32) + dtb_ref[h].astype(f32))
+    d = jnp.exp(g)
+    beta = jax.nn.sigmoid(b_ref[bi, h].astype(f32))
+    kv = d * jnp.sum(s * k[:, None], axis=0)
+    sq = d * jnp.sum(s * q[:, None], axis=0)
+    delta = beta * (v - kv)
+    s = d * s + k[:, None] * delta[None, :]
+    state_out_ref[slot, h, :, pl.ds(j * bv, bv)] = s.astype(state_out_ref.dtype)
+    o_ref[bi, h, pl.ds(j * bv, bv)] = sq + delta * jnp.sum(k * q)
+
+
+def _shift_conv_state(conv_state, mixed_qkv, slots):
+    """conv_state[slots] (all rows when None) <- its last K-2 rows followed by this step's input (the reference's
+    cast); one fused XLA kernel."""
+    new = mixed_qkv[:, None].astype(conv_state.dtype)
+    if slots is None:
+        return jnp.concatenate([conv_state[:, 1:], new], axis=1)
+    return conv_state.at[slots].set(jnp.concatenate([conv_state[slots, 1:], new], axis=1))
+
+
 def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *,
                            num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, interpret: bool = False,
                            bv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: int | None = None):
+                           prefetch: int | None = None, grid: str | None = None):
     """Fused single-token GDN step on slot pools; same contract as `reference.gdn_decode_step`.
 
     The pools are updated in place (input_output_aliases); only the `slots` rows change. Donate conv_state and
     ssm_state at the enclosing jit to avoid a copy of the pool."""
-    asked = {k: v for k, v in dict(bv=bv, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch).items()
-             if v is not None}
+    asked = {k: v for k, v in dict(bv=bv, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
+                                   grid=grid).items() if v is not None}
     p = _params("decode", (TUNING["decode_bf16_state"] if ssm_state.dtype == jnp.bfloat16 else {}) | asked)
     B, C = mixed_qkv.shape
     hv = a.shape[-1]
@@ -191,10 +240,24 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
     bv_ = min(p["bv"], dv)
     assert C == 2 * hk * dk + hv * dv and conv_state.shape[1:] == (ksize - 1, C)
     assert ssm_state.shape[1:] == (hv, dk, dv) and dv % bv_ == 0
+    given_slots = slots
     if slots is None:
         assert conv_state.shape[0] == B and ssm_state.shape[0] == B
         slots = jnp.arange(B, dtype=jnp.int32)
     slots = slots.astype(jnp.int32)
+    params = plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"])
+    if p["grid"] == "tiles":
+        o, ssm_state = pl.pallas_call(
+            functools.partial(_decode_tile_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize),
+            out_shape=(jax.ShapeDtypeStruct((B, hv, dv), f32), jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)),
+            grid=(B, hv, dv // bv_),
+            input_output_aliases={8: 1},
+            compiler_params=params,
+            interpret=interpret,
+            name="gdn_decode_step_tiles",
+        )(slots, mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, ssm_state)
+        return o, _shift_conv_state(conv_state, mixed_qkv, given_slots), ssm_state
+    assert p["grid"] == "heads", p["grid"]
     kernel = functools.partial(_decode_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize,
                                prefetch=max(1, p["prefetch"]), barrier=not interpret)
     o, conv_state, ssm_state = pl.pallas_call(
@@ -204,7 +267,7 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
                    jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)),
         grid=(B, hk),
         input_output_aliases={7: 1, 8: 2},
-        compiler_params=plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"]),
+        compiler_params=params,
         interpret=interpret,
         name="gdn_decode_step",
     )(slots, mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, ssm_state)

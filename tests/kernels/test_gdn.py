@@ -129,16 +129,18 @@ def test_prefill_bf16_dots_and_bf16_inputs():
 
 
 # ------------------------------------------------------------------------------------------------ decode
+@pytest.mark.parametrize("grid", ["heads", "tiles"])
 @pytest.mark.parametrize("state_dtype,dims", [(f32, (2, 4, 32, 32)), (jnp.bfloat16, (2, 4, 32, 32)),
                                               (f32, (1, 2, 128, 128))])
-def test_decode_step_matches_reference(state_dtype, dims):
-    """Slots in the batch are updated like the reference; every other slot is left bit-for-bit untouched."""
+def test_decode_step_matches_reference(state_dtype, dims, grid):
+    """Slots in the batch are updated like the reference; every other slot is left bit-for-bit untouched. Both
+    grids: a program per (stream, key head) with the conv shift in the kernel, or per state tile with it in XLA."""
     hk, hv, dk, dv = dims
     S, B = 6, 4
     slots = jnp.array([5, 0, 3, 2], jnp.int32)
     x, a, b, conv, ssm, w, A_log, dt_bias = decode_inputs(3, S, B, hk, hv, dk, dv, state_dtype=state_dtype)
     kw = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, slots=slots)
-    tune = {"bv": 16} if dv == 32 else {}
+    tune = ({"bv": 16} if dv == 32 else {}) | {"grid": grid}
     o, conv1, ssm1 = kernel_decode(x, a, b, conv, ssm, w, A_log, dt_bias, **tune, **kw)
     o_r, conv_r, ssm_r = ref_decode(x, a, b, conv, ssm, w, A_log, dt_bias, **kw)
     assert o.shape == (B, hv, dv) and o.dtype == f32 and not bool(jnp.isnan(o).any())
@@ -152,11 +154,12 @@ def test_decode_step_matches_reference(state_dtype, dims):
     assert rel(ssm1[slots], ssm[slots]) > 1e-3                   # the addressed slots really changed
 
 
-def test_decode_without_slots_and_bf16_state_drift():
+@pytest.mark.parametrize("grid", ["heads", "tiles"])
+def test_decode_without_slots_and_bf16_state_drift(grid):
     """slots=None (row i = slot i); 40 steps with a bf16 pool stay within 3e-2 of the fp32 pool."""
     hk, hv, dk, dv, B, n = 1, 2, 32, 32, 2, 40
     x, a, b, conv, ssm, w, A_log, dt_bias = decode_inputs(4, B, B, hk, hv, dk, dv)
-    kw = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, interpret=True, bv=16)
+    kw = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, interpret=True, bv=16, grid=grid)
     step = jax.jit(lambda *args: pallas_triton.gdn_decode_step_triton(*args, **kw))
     xs = jax.random.normal(jax.random.PRNGKey(5), (n, B, x.shape[1]), x.dtype)
     ab = jax.random.normal(jax.random.PRNGKey(6), (n, 2, B, hv), a.dtype)
@@ -246,9 +249,9 @@ def test_triton_lowering_full_shapes_for_h200():
     B, T, S, hk, hv, d, K = 4, 300, 8, 16, 32, 128, 4
     C = 2 * hk * d + hv * d
     bf = jnp.bfloat16
-    for sdt in (f32, bf):
+    for sdt, grid in ((f32, "heads"), (bf, "heads"), (bf, "tiles")):
         txt = lower_for_h200(lambda x, a, b, c, s, w, al, dt, sl: pallas_triton.gdn_decode_step_triton(
-            x, a, b, c, s, w, al, dt, num_k_heads=hk, head_k_dim=d, head_v_dim=d, slots=sl),
+            x, a, b, c, s, w, al, dt, num_k_heads=hk, head_k_dim=d, head_v_dim=d, slots=sl, grid=grid),
             sd((B, C), bf), sd((B, hv), bf), sd((B, hv), bf), sd((S, K - 1, C), bf), sd((S, hv, d, d), sdt),
             sd((C, K), bf), sd((hv,), f32), sd((hv,), f32), sd((B,), jnp.int32), donate=(3, 4))
         assert txt.count("__gpu$xla.gpu.triton") == 1 and "output_operand_aliases" in txt
