@@ -67,8 +67,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                                                   admit_guard_s=float("-inf"))),
     "codec_every_step": ("periodic codec calls (every 8 steps) -> a call every step for every playing stream",
                          lambda c: dataclasses.replace(c, codec_period=1)),
-    "codec_no_bridge": ("a new stream's bridge chunk before the first periodic call -> none (its first chunk may run "
-                        "dry)", lambda c: dataclasses.replace(c, codec_bridge=False)),
+    "codec_bridge": ("no bridge chunk before a new stream's first periodic call (its first chunk may run dry) -> "
+                     "a bridge chunk", lambda c: dataclasses.replace(c, codec_bridge=True)),
     # candidate settings (not switches of an optimisation), each changing one admission / batching knob: the guard
     # rows reuse the compiled executables, the prefill and codec rows below compile new shapes
     "guard_new_0.1s": ("admission guard for streams on their first chunk 0.25 s -> 0.1 s",

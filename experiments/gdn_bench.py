@@ -44,15 +44,11 @@ MAX_SLOT_BLOCKS = 128
 KEXTRA = {}  # extra kwargs for every Pallas call ({"interpret": True} in --cpu-smoke)
 
 # Variants: name -> backend kwargs (pallas_triton). The first of each list is the default (TUNING).
-# Decode: the first run (gdn_bench.json of 2026-11-30) found bv 16 with 1-2 warps and bv 64 with 8 warps slower than
-# the default; this list sweeps the prefetch depth (state tiles loaded ahead of the current tile's store).
-DECODE_VARIANTS = {"triton": {}, "triton_pf2": {"prefetch": 2}, "triton_pf3": {"prefetch": 3},
-                   "triton_pf7": {"prefetch": 7}, "triton_bv16_pf4": {"bv": 16, "prefetch": 4},
-                   "triton_bv64_w8_pf2": {"bv": 64, "num_warps": 8, "prefetch": 2},
-                   # one state tile per program (grid (stream, value head, bv slice)), conv shift by XLA
+# Decode: runs of 2026-11-30 / 12-01 (results/gdn_bench.md, kernel_sweep_2026-12-01/, gdn_decode_tiles/) swept the
+# "heads" grid's tile width, warps and prefetch depth, then the "tiles" grid, whose bv 64 / 4 warps is now the default.
+DECODE_VARIANTS = {"triton": {}, "heads": {"grid": "heads"},
                    "tiles_bv32_w4": {"grid": "tiles", "bv": 32, "num_warps": 4},
                    "tiles_bv32_w2": {"grid": "tiles", "bv": 32, "num_warps": 2},
-                   "tiles_bv64_w4": {"grid": "tiles", "bv": 64, "num_warps": 4},
                    "tiles_bv64_w8": {"grid": "tiles", "bv": 64, "num_warps": 8},
                    "tiles_bv128_w8": {"grid": "tiles", "bv": 128, "num_warps": 8},
                    "tiles_bv16_w1": {"grid": "tiles", "bv": 16, "num_warps": 1}}
@@ -161,9 +157,9 @@ def phase_check(jax, jnp, np, args):
     kw = dict(num_k_heads=HK, head_k_dim=D, head_v_dim=D, slots=slots)
     for sdt in (jnp.float32, jnp.bfloat16):
         ssm = (jax.random.normal(ks[6], (S, HV, D, D)) * 0.1).astype(sdt)
-        # every timed decode variant is checked in fp32; the bf16 pool with the default tuning and one more
+        # every timed decode variant is checked in fp32; the bf16 pool with the first three (default, heads, one more)
         dvars = DECODE_VARIANTS if sdt == jnp.float32 else {n: v for i, (n, v) in enumerate(DECODE_VARIANTS.items())
-                                                             if i < 2 or v.get("grid") == "tiles"}
+                                                             if i < 3}
         with jax.default_matmul_precision("highest"):
             o_r, c_r, s_r = jax.jit(lambda *A: reference.gdn_decode_step(*A, **kw))(x, a, b, conv, ssm, w, A_log,
                                                                                      dt_bias)

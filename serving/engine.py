@@ -80,8 +80,10 @@ class EngineConfig:
     admit_guard_new_s: float | None = None
     codec_first_chunk: int = 4  # frames in a stream's first audio chunk
     codec_period: int = 8  # decode steps between the calls that serve every playing stream
-    # between periodic calls, give a new stream a second chunk when its first would run dry (see `codec_takes`)
-    codec_bridge: bool = True
+    # between periodic calls, give a new stream a second chunk when its first would run dry (see `codec_takes`). Off:
+    # on the H200 at 128 streams the extra codec calls cost more than the gaps they fill (96.4 vs 86.7 audio s/s,
+    # TTFA p50 1,710 vs 3,103 ms, both 0 broken; experiments/results/ablate_128_c/)
+    codec_bridge: bool = False
     # most frames of one stream per codec call. A period's frames (the default) is enough: the periodic call empties
     # every playing stream, so a larger cap only adds a compiled shape that steady state never uses
     codec_chunk: int = 8
@@ -650,7 +652,7 @@ def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float
       within `horizon_s` of `now`, i.e. before the next periodic call's audio can arrive. The short first chunk would
       otherwise run dry waiting for the period: gaps of up to ~0.1 s right after the start at 128 streams on the
       H200 (experiments/results/serve_bench_4). One such bridge per stream at most, so an overloaded engine does not
-      turn into a codec call every step;
+      turn into a codec call every step. The engine passes horizon_s 0 (no bridges) unless `codec_bridge` is on;
     - on a periodic call also every other playing stream and every stream whose text chunk ended (its flush)."""
     ready = []
     for s, r in enumerate(slots):

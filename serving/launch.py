@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--codec-chunk", type=int, default=8, help="most frames of one stream per codec call")
     ap.add_argument("--codec-period", type=int, default=8,
                     help="decode steps between the codec calls that serve every playing stream")
-    ap.add_argument("--codec-bridge", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--codec-bridge", action=argparse.BooleanOptionalAction, default=False,
                     help="between periodic calls, give a new stream a second chunk when its first would run dry")
     ap.add_argument("--codec-batch-sizes", type=int, nargs="+", default=[8],
                     help="streams per codec call are padded to one of these (or to --max-streams)")

@@ -56,12 +56,15 @@ f32 = jnp.float32
 # SMs at bv 64, e.g. B=1) takes bv 32 (0.47 vs 0.55 ms at B=1, T=4096) and a larger one bv 64 (0.82 vs 0.95 ms at
 # B=8, T=1024). `bv: None` = that automatic choice.
 TUNING = {
-    # grid "heads": one program per (stream, key head), conv shift in the kernel; "tiles": one program per (stream,
-    # value head, bv slice), the conv shift left to XLA (see `_decode_tile_kernel`)
-    "decode": {"grid": "heads", "bv": 32, "num_warps": 4, "num_stages": 1, "prefetch": 1},
+    # grid "tiles": one program per (stream, value head, bv slice), the conv shift left to XLA (`_decode_tile_kernel`);
+    # H200, 2026-12-01, one layer at 128 streams (results/gdn_decode_tiles/): bv 64 / 4 warps 0.152 ms with a bf16
+    # pool and 0.200 ms with fp32, against 0.168 / 0.217 for the "heads" grid and 0.188-0.340 for the other tiles
+    "decode": {"grid": "tiles", "bv": 64, "num_warps": 4, "num_stages": 1},
+    # grid "heads": one program per (stream, key head), conv shift in the kernel (`_decode_kernel`)
+    "decode_heads": {"bv": 32, "num_warps": 4, "num_stages": 1, "prefetch": 1},
     # bf16 state pools: tiles are half the registers, so three can be in flight (H200, 2026-12-01, 128 streams:
     # 0.162 ms vs 0.169 with one; fp32 stays at one: 0.213 vs 0.217 / 0.228 with two / three)
-    "decode_bf16_state": {"prefetch": 3},
+    "decode_heads_bf16_state": {"prefetch": 3},
     "prefill_prep": {"inv_num_warps": 4, "wu_num_warps": 8, "num_stages": 1},
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
                       "num_stages": 2, "static_loop": True},
@@ -231,7 +234,10 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
     ssm_state at the enclosing jit to avoid a copy of the pool."""
     asked = {k: v for k, v in dict(bv=bv, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
                                    grid=grid).items() if v is not None}
-    p = _params("decode", (TUNING["decode_bf16_state"] if ssm_state.dtype == jnp.bfloat16 else {}) | asked)
+    p = _params("decode", asked)
+    if p["grid"] == "heads":
+        p = _params("decode_heads", (TUNING["decode_heads_bf16_state"] if ssm_state.dtype == jnp.bfloat16 else {})
+                    | asked) | {"grid": "heads"}
     B, C = mixed_qkv.shape
     hv = a.shape[-1]
     hk, dk, dv = num_k_heads, head_k_dim, head_v_dim
