@@ -51,7 +51,13 @@ DECODE_VARIANTS = {"triton": {}, "heads": {"grid": "heads"},
                    "tiles_bv32_w2": {"grid": "tiles", "bv": 32, "num_warps": 2},
                    "tiles_bv64_w8": {"grid": "tiles", "bv": 64, "num_warps": 8},
                    "tiles_bv128_w8": {"grid": "tiles", "bv": 128, "num_warps": 8},
-                   "tiles_bv16_w1": {"grid": "tiles", "bv": 16, "num_warps": 1}}
+                   "tiles_bv16_w1": {"grid": "tiles", "bv": 16, "num_warps": 1},
+                   # the state transposed in the pool ([D_v, D_k]): the D_k reductions along the contiguous axis
+                   "vmajor_bv32_w4": {"grid": "tiles", "v_major": True, "bv": 32, "num_warps": 4},
+                   "vmajor_bv64_w4": {"grid": "tiles", "v_major": True, "bv": 64, "num_warps": 4},
+                   "vmajor_bv16_w2": {"grid": "tiles", "v_major": True, "bv": 16, "num_warps": 2},
+                   "vmajor_bv64_w8": {"grid": "tiles", "v_major": True, "bv": 64, "num_warps": 8},
+                   "vmajor_bv128_w8": {"grid": "tiles", "v_major": True, "bv": 128, "num_warps": 8}}
 PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_bv32": {"bv": 32},
                     "triton_inv8": {"inv_num_warps": 8}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
@@ -167,7 +173,9 @@ def phase_check(jax, jnp, np, args):
         for name, vk in dvars.items():
             def run():
                 f = jax.jit(lambda *A: pallas_triton.gdn_decode_step_triton(*A, **kw, **vk, **KEXTRA), donate_argnums=(3, 4))
-                o, c1, s1 = f(x, a, b, jnp.array(conv), jnp.array(ssm), w, A_log, dt_bias)
+                vt = (lambda t: jnp.swapaxes(t, -1, -2)) if vk.get("v_major") else (lambda t: t)  # [D_v, D_k] pools
+                o, c1, s1 = f(x, a, b, jnp.array(conv), vt(ssm), w, A_log, dt_bias)
+                s1 = vt(s1)
                 s1f, c1f = np.asarray(s1.astype(jnp.float32)), np.asarray(c1.astype(jnp.float32))
                 res = dict(o_rel=rel(np, o, o_r), state_rel=rel(np, s1f[np.asarray(slots)], s_r[slots].astype(
                     jnp.float32)), conv_exact=bool((c1f == np.asarray(c_r.astype(jnp.float32))).all()),

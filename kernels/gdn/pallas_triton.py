@@ -179,11 +179,13 @@ def _decode_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, con
 
 
 def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref, state_ref,
-                        o_ref, state_out_ref, *, hk, dk, dv, rep, bv, ksize):
+                        o_ref, state_out_ref, *, hk, dk, dv, rep, bv, ksize, v_major):
     """One [D_k, bv] state tile per program (grid (stream, value head, D_v slice)): many small independent programs
     instead of a loop over a key head's tiles, so the state traffic is spread over the whole GPU. Each program
     recomputes its key head's conv'd q/k (cheap, L2-resident) and reads the conv state only; the caller shifts the
-    conv state afterwards (programs of one key head share q/k channels, so an in-kernel shift would race)."""
+    conv state afterwards (programs of one key head share q/k channels, so an in-kernel shift would race).
+    v_major: the pool holds each head's state transposed, [D_v, D_k], so the D_k reductions run along the contiguous
+    axis (a layout experiment; the model's pools are [D_k, D_v])."""
     bi = pl.program_id(0)
     h = pl.program_id(1)
     j = pl.program_id(2)
@@ -200,18 +202,21 @@ def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
             y = y + xs[i].astype(f32) * w_ref[ch, i].astype(f32)
         return y * jax.nn.sigmoid(y)
 
-    s = state_ref[slot, h, :, pl.ds(j * bv, bv)].astype(f32)  # issued first: the longest latency
+    tile = (slot, h, pl.ds(j * bv, bv), slice(None)) if v_major else (slot, h, slice(None), pl.ds(j * bv, bv))
+    s = state_ref[tile].astype(f32)  # issued first: the longest latency; [bv, dk] if v_major else [dk, bv]
     q = _l2n(conv(kh * dk, dk)) * (dk ** -0.5)
     k = _l2n(conv(kd + kh * dk, dk))
     v = conv(2 * kd + h * dv + j * bv, bv)
     g = -jnp.exp(alog_ref[h].astype(f32)) * _softplus(a_ref[bi, h].astype(f32) + dtb_ref[h].astype(f32))
     d = jnp.exp(g)
     beta = jax.nn.sigmoid(b_ref[bi, h].astype(f32))
-    kv = d * jnp.sum(s * k[:, None], axis=0)
-    sq = d * jnp.sum(s * q[:, None], axis=0)
+    kd_axis = 1 if v_major else 0  # the D_k axis of the tile
+    kb = k[None, :] if v_major else k[:, None]
+    kv = d * jnp.sum(s * kb, axis=kd_axis)
+    sq = d * jnp.sum(s * (q[None, :] if v_major else q[:, None]), axis=kd_axis)
     delta = beta * (v - kv)
-    s = d * s + k[:, None] * delta[None, :]
-    state_out_ref[slot, h, :, pl.ds(j * bv, bv)] = s.astype(state_out_ref.dtype)
+    s = d * s + kb * (delta[:, None] if v_major else delta[None, :])
+    state_out_ref[tile] = s.astype(state_out_ref.dtype)
     o_ref[bi, h, pl.ds(j * bv, bv)] = sq + delta * jnp.sum(k * q)
 
 
@@ -227,13 +232,13 @@ def _shift_conv_state(conv_state, mixed_qkv, slots):
 def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *,
                            num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, interpret: bool = False,
                            bv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: int | None = None, grid: str | None = None):
+                           prefetch: int | None = None, grid: str | None = None, v_major: bool | None = None):
     """Fused single-token GDN step on slot pools; same contract as `reference.gdn_decode_step`.
 
     The pools are updated in place (input_output_aliases); only the `slots` rows change. Donate conv_state and
     ssm_state at the enclosing jit to avoid a copy of the pool."""
     asked = {k: v for k, v in dict(bv=bv, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-                                   grid=grid).items() if v is not None}
+                                   grid=grid, v_major=v_major).items() if v is not None}
     p = _params("decode", asked)
     if p["grid"] == "heads":
         p = _params("decode_heads", (TUNING["decode_heads_bf16_state"] if ssm_state.dtype == jnp.bfloat16 else {})
@@ -245,7 +250,8 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
     ksize = conv_weight.shape[-1]
     bv_ = min(p["bv"], dv)
     assert C == 2 * hk * dk + hv * dv and conv_state.shape[1:] == (ksize - 1, C)
-    assert ssm_state.shape[1:] == (hv, dk, dv) and dv % bv_ == 0
+    assert ssm_state.shape[1:] == ((hv, dv, dk) if p.get("v_major") else (hv, dk, dv)) and dv % bv_ == 0
+    assert not p.get("v_major") or p["grid"] == "tiles", "v_major needs the tiles grid"
     given_slots = slots
     if slots is None:
         assert conv_state.shape[0] == B and ssm_state.shape[0] == B
@@ -254,7 +260,8 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
     params = plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"])
     if p["grid"] == "tiles":
         o, ssm_state = pl.pallas_call(
-            functools.partial(_decode_tile_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize),
+            functools.partial(_decode_tile_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize,
+                              v_major=p.get("v_major", False)),
             out_shape=(jax.ShapeDtypeStruct((B, hv, dv), f32), jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)),
             grid=(B, hv, dv // bv_),
             input_output_aliases={8: 1},
