@@ -173,7 +173,7 @@ def phase_check(jax, jnp, np, args):
         for name, vk in dvars.items():
             def run():
                 f = jax.jit(lambda *A: pallas_triton.gdn_decode_step_triton(*A, **kw, **vk, **KEXTRA), donate_argnums=(3, 4))
-                vt = (lambda t: jnp.swapaxes(t, -1, -2)) if vk.get("v_major") else (lambda t: t)  # [D_v, D_k] pools
+                vt = (lambda t: jnp.swapaxes(t, -1, -2)) if vk.get("v_major") else jnp.array  # [D_v, D_k] pools; copies
                 o, c1, s1 = f(x, a, b, jnp.array(conv), vt(ssm), w, A_log, dt_bias)
                 s1 = vt(s1)
                 s1f, c1f = np.asarray(s1.astype(jnp.float32)), np.asarray(c1.astype(jnp.float32))
