@@ -85,8 +85,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "prefill_chunk_256": ("512-row prefill chunks -> 256-row", lambda c: dataclasses.replace(c, prefill_chunk=256)),
     "first_chunk_3": ("first audio chunk 4 frames -> 3 (TTFA; compiles a 3-frame codec shape)",
                       lambda c: dataclasses.replace(c, codec_first_chunk=3)),
-    "codec_batches_32_64": ("codec batch sizes (8, pool) -> (8, 32, 64, pool)",
-                            lambda c: dataclasses.replace(c, codec_batch_sizes=(8, 32, 64))),
+    "codec_batches_8": ("codec batch sizes (8, 32, 64, pool) -> (8, pool)",
+                        lambda c: dataclasses.replace(c, codec_batch_sizes=(8,))),
     # the decode step's cost follows the slot pool, not the active streams: a pool smaller than the concurrency
     # (arrivals beyond it queue, as the admission guard makes them do anyway)
     "pool_0.75x": ("slot pool = concurrency -> 3/4 of it", lambda c: dataclasses.replace(c, max_streams=max(

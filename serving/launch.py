@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode steps between the codec calls that serve every playing stream")
     ap.add_argument("--codec-bridge", action=argparse.BooleanOptionalAction, default=False,
                     help="between periodic calls, give a new stream a second chunk when its first would run dry")
-    ap.add_argument("--codec-batch-sizes", type=int, nargs="+", default=[8],
+    ap.add_argument("--codec-batch-sizes", type=int, nargs="+", default=[8, 32, 64],
                     help="streams per codec call are padded to one of these (or to --max-streams)")
     ap.add_argument("--encode-warmup", default="start", choices=["start", "background", "lazy"],
                     help="compile the reference-encode shapes before ready, after it in the background (slows "
