@@ -2,18 +2,19 @@
 
 Two kernel families, same math as `reference.py` (see its docstring for shapes and the recurrence):
 
-* `gdn_decode_step_triton` - one token per stream, all streams at once, fully fused: causal conv1d state update
-  (kernel K) + SiLU on the q/k/v channels, beta/decay from the raw a/b projections, q/k L2 norm, delta-rule update,
-  output. Grid (stream, key head): one program owns the conv channels of its key head (q and k) and of the `rep`
-  value heads that share it, so each state tile is read once and written once, and each conv-state channel is
-  owned, by one program, in place in the slot pools (`input_output_aliases`; donate the pools at the outer
-  `jax.jit` so XLA does not copy them). The state is walked in [D_k, bv] tiles with the next tile's load issued
-  before the current tile's store (a hand-made 2-stage pipeline). The conv shift is written last, between two
-  barriers (threads holding replicated copies of a channel must all have read the old rows; an H200 run without
-  them gave wrong results for some tunings). Design after vLLM's `fused_sigmoid_gating_delta_rule_update`
-  (one program per (stream, value-head, V-slice), state read/written in place at the slot index), here fused
-  further with the conv1d update. Tuning `grid="tiles"` is that design unfused: one program per (stream, value
-  head, bv slice), the conv state only read in the kernel and shifted by one XLA op after it.
+* `gdn_decode_step_triton` - one token per stream, all streams at once: causal conv1d (kernel K) + SiLU on the q/k/v
+  channels, beta/decay from the raw a/b projections, q/k L2 norm, delta-rule update, output; the state is read and
+  written once, in place in the slot pool (`input_output_aliases`; donate the pools at the outer `jax.jit` so XLA does
+  not copy them). Two grids (`TUNING["decode"]["grid"]`):
+    - "tiles" (default): one program per (stream, value head, bv slice) of the state, as vLLM's
+      `fused_sigmoid_gating_delta_rule_update`; each program recomputes its key head's q/k and only reads the conv
+      state, which one XLA op shifts after the kernel. `v_major=True` takes a pool holding [D_v, D_k] per head
+      (a layout experiment, see experiments/results/gdn_summary.md).
+    - "heads": one program per (stream, key head), owning the conv channels of its key head (q and k) and of the
+      `rep` value heads that share it, so the conv shift happens in the kernel too (one launch). The state is walked
+      in [D_k, bv] tiles with the next tiles' loads issued before the current tile's store. The shift is written
+      last, between two barriers (threads holding replicated copies of a channel must all have read the old rows;
+      an H200 run without them gave wrong results for some tunings).
 
 * `gated_delta_chunk_prefill_triton` - chunked prefill (chunk 64, WY/UT form) for a right-padded batch with
   per-sequence lengths, initial state in, final state out, q/k L2 norm fused. Three launches:
