@@ -139,9 +139,11 @@ class GatedDeltaNet(nnx.Module):
         conv_w = self.conv1d.weight[...][:, 0, :]
         with jax.named_scope("gdn_core"):  # profile category (experiments/decode_profile.py)
             if decode:
+                slots = jnp.arange(B, dtype=jnp.int32) if conv_state.shape[0] > B else None  # a pool prefix
                 o, conv_state, ssm_state = gdn_decode_step(
                     mixed[:, 0], a[:, 0], b[:, 0], conv_state, ssm_state, conv_w, self.A_log[...],
-                    self.dt_bias[...], num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, backend=backends.gdn_decode)
+                    self.dt_bias[...], num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, slots=slots,
+                    backend=backends.gdn_decode)
                 o = o[:, None]
             else:
                 y, conv_state = causal_conv1d(mixed, conv_w, conv_state, new_lengths)
@@ -285,9 +287,10 @@ class Drama3Backbone(nnx.Module):
                 backends: Backends = Backends()):
         """rows [B, T, 1+K] at positions cache.lengths + t; new_lengths [B] valid rows per sequence (right padding).
         `fresh`: the cache rows are empty (prompt prefill), so attention only looks at the new rows.
-        T == 1 takes the fused GDN decode step. Returns (final-norm hidden [B, T, H], updated cache)."""
-        T = rows.shape[1]
-        start = cache.lengths
+        T == 1 takes the fused GDN decode step. The cache may hold more rows than B (a slot pool): rows [0, B) are
+        these sequences, updated in place, the others untouched. Returns (final-norm hidden [B, T, H], cache)."""
+        B, T = rows.shape[:2]
+        start = cache.lengths[:B]
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         x = self.embed_rows(rows)
         ks, vs, convs, ssms = list(cache.k), list(cache.v), list(cache.conv), list(cache.ssm)
@@ -305,7 +308,8 @@ class Drama3Backbone(nnx.Module):
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x), backend=backends.moe)
         x = self.model.language_model.norm(x)
-        return x, BackboneCache(k=ks, v=vs, conv=convs, ssm=ssms, lengths=start + new_lengths.astype(jnp.int32))
+        return x, BackboneCache(k=ks, v=vs, conv=convs, ssm=ssms,
+                                lengths=cache.lengths.at[:B].set(start + new_lengths.astype(jnp.int32)))
 
     def full_logits(self, hidden):
         return self.lm_head(hidden)

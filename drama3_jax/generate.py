@@ -75,6 +75,20 @@ def frame_step(model: Drama3Model, s: DecodeState, backends: Backends = Backends
     return row, new
 
 
+_PER_ROW = ("h", "row", "recent", "frame", "keys", "temperature", "top_p", "top_k")  # DecodeState's [B, ...] fields
+
+
+def frame_step_prefix(model: Drama3Model, s: DecodeState, n: int, backends: Backends = Backends()):
+    """`frame_step` over rows [0, n) of a pool of S >= n rows: the per-row fields are sliced, the caches are passed
+    whole and updated in place (the kernels index them), rows [n, S) are left as they are. Returns (new rows
+    [n, 1+K] int32, new DecodeState of S rows). The step's cost follows n, not the pool."""
+    if n == s.h.shape[0]:
+        return frame_step(model, s, backends)
+    view = dataclasses.replace(s, **{f: getattr(s, f)[:n] for f in _PER_ROW})
+    row, new = frame_step(model, view, backends)
+    return row, dataclasses.replace(new, **{f: getattr(s, f).at[:n].set(getattr(new, f)) for f in _PER_ROW})
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RequestSampling:

@@ -60,7 +60,12 @@ def rms_norm(x, weight, eps: float, *, zero_centered: bool = True, out_dtype=Non
 
 
 def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-    """cache [B, L, ...] <- new [B, T, ...] at per-row offsets start [B] (a KV-cache write)."""
+    """cache [S, L, ...] <- new [B, T, ...] at per-row offsets start [B] (a KV-cache write) into rows [0, B) of the
+    cache (S >= B: a decode step over a prefix of the slot pool scatters in place, rows past L dropped)."""
+    B, T = new.shape[:2]
+    if B < cache.shape[0]:
+        cols = start[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]
+        return cache.at[jnp.arange(B)[:, None], cols].set(new.astype(cache.dtype), mode="drop")
     upd = lambda c, n, s: jax.lax.dynamic_update_slice(c, n.astype(c.dtype), (s,) + (0,) * (c.ndim - 1))
     return jax.vmap(upd)(cache, new, start)
 
@@ -68,7 +73,8 @@ def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
 def gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool,
                            backend: str):
     """Write k, v [B, T, n_kv, D] into the caches at `start` [B], attend causally (over the new rows only when
-    `fresh`, else over the cache), multiply by sigmoid(gate) [B, T, n_q * D].
+    `fresh`, else over the cache), multiply by sigmoid(gate) [B, T, n_q * D]. The caches may hold more rows than B
+    (a decode step over rows [0, B) of a slot pool).
     Returns (o [B, T, n_q * D], k_cache, v_cache)."""
     B, T, _, hd = q.shape
     with jax.named_scope("kv_write"):  # profile categories (experiments/decode_profile.py)

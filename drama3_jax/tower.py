@@ -137,7 +137,7 @@ def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h,
     not see). `choose_code(i, logits_i)` gives code c_{i+1} (teacher label or a sample). Returns
     (codes [B, T, K-1] int32 = c1..c9, head logits [B, T, K-1, V] fp32 or None, updated cache)."""
     B, T, _ = h.shape
-    start = cache.lengths
+    start = cache.lengths[:B]  # the cache may be a slot pool with more rows (see Drama3Backbone.forward)
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     sem = label_sem.astype(jnp.float32)
     ks, vs = list(cache.k), list(cache.v)
@@ -157,6 +157,6 @@ def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h,
         codes.append(code)
         if compute_heads:
             logits.append(li)
-    new_cache = TowerCache(k=ks, v=vs, lengths=start + new_lengths.astype(jnp.int32))
+    new_cache = TowerCache(k=ks, v=vs, lengths=cache.lengths.at[:B].set(start + new_lengths.astype(jnp.int32)))
     head_logits = jnp.stack(logits, axis=2) if compute_heads else None
     return jnp.stack(codes, axis=-1), head_logits, new_cache

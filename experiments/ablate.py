@@ -93,6 +93,9 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
         1, c.max_streams * 3 // 4))),
     "pool_0.875x": ("slot pool = concurrency -> 7/8 of it", lambda c: dataclasses.replace(c, max_streams=max(
         1, c.max_streams * 7 // 8))),
+    "decode_sizes": ("decode step over the whole pool -> over the smallest of 1/2, 3/4 or all of it that covers the "
+                     "occupied slots", lambda c: dataclasses.replace(c, decode_sizes=(c.max_streams // 2,
+                                                                                      c.max_streams * 3 // 4))),
     "gdn_ref": ("GDN Pallas kernels (prefill + decode) -> jnp reference", _backends(gdn_prefill="reference",
                                                                                     gdn_decode="reference")),
     "moe_xla": ("Pallas MoE -> XLA ragged_dot", _backends(moe="xla_ragged_dot")),

@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from drama3_jax.backbone import Backends
-from drama3_jax.generate import DecodeState, Prefiller, RequestSampling, frame_step
+from drama3_jax.generate import DecodeState, Prefiller, RequestSampling, frame_step_prefix
 from drama3_jax.model import Drama3Model
 from drama3_jax.prompt import build_prompt, history_for_chunk
 from drama3_jax.sampling import SamplingParams
@@ -90,6 +90,11 @@ class EngineConfig:
     # streams per codec call are padded to one of these (or to the pool). (8, 32, 64) against (8,) at 128 streams on
     # the H200: 103.7 vs 98.4 audio s/s, TTFA p50 1,608 vs 1,924 ms, both 0 broken (experiments/results/ablate_128_d/)
     codec_batch_sizes: tuple[int, ...] = (8, 32, 64)
+    # decode steps run over slots [0, n), n the smallest of these sizes (or the pool) above every occupied slot (new
+    # streams take the lowest free slot): the step's cost follows the pool size, not the active streams (30.1 ms at
+    # 256 slots vs 23.4 at 128 on the H200, experiments/results/decode_timing.md). () = always the whole pool. Each
+    # size is one more compiled decode step.
+    decode_sizes: tuple[int, ...] = ()
     stats_interval_s: float = 10.0  # log step / codec / prefill statistics this often (0: never)
     # an engine loop iteration (admit + tick) longer than this is logged with the time of each phase, and a Python
     # garbage collection longer than this is logged too (0: never): the diagnosis of stalls that break streams
@@ -121,6 +126,11 @@ class EngineConfig:
     def codec_batches(self) -> tuple[int, ...]:
         """Stream counts per codec call."""
         return tuple(sorted({b for b in self.codec_batch_sizes if 0 < b < self.max_streams} | {self.max_streams}))
+
+    @property
+    def decode_steps(self) -> tuple[int, ...]:
+        """Slot counts of the compiled decode steps."""
+        return tuple(sorted({n for n in self.decode_sizes if 0 < n < self.max_streams} | {self.max_streams}))
 
     @property
     def encode_buckets(self) -> tuple[int, ...]:
@@ -190,11 +200,11 @@ class Engine:
         def prefill_insert(pool, new, slots):  # function names are the module names in a profile
             return jax.tree.map(lambda p, n: p.at[slots].set(n.astype(p.dtype), mode="drop"), pool, new)
 
-        def decode_step(params, pool):
+        def decode_step(params, pool, n):
             model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, params))
 
             def body(s, _):
-                row, s = frame_step(model, s, backends)
+                row, s = frame_step_prefix(model, s, n, backends)
                 return s, row
 
             pool, rows = jax.lax.scan(body, pool, None, length=cfg.frames_per_step)
@@ -204,7 +214,7 @@ class Engine:
         self.prefiller = Prefiller(model, cfg.max_len, cfg.prefill_chunk, backends,
                                    state_dtype=jnp.dtype(cfg.ssm_state_dtype) if cfg.ssm_state_dtype else None)
         self._insert = jax.jit(prefill_insert, donate_argnums=(0,) if donate else ())
-        self._step = jax.jit(decode_step, donate_argnums=(1,) if donate else ())
+        self._step = jax.jit(decode_step, static_argnums=(2,), donate_argnums=(1,) if donate else ())
         self.pool: DecodeState | None = None
         self.codec_state = None
         self.slots: list[Request | None] = [None] * S
@@ -244,8 +254,9 @@ class Engine:
             return self.prefiller(rows, np.full((b,), 2, np.int32),
                                   RequestSampling.make([SamplingParams()] * b, list(range(b))))
 
-        def decode():
-            rows, self.pool = self._step(self._param_leaves, self.pool)
+        def decode():  # one job for every size: each call donates and replaces the pool
+            for n in self.cfg.decode_steps:
+                rows, self.pool = self._step(self._param_leaves, self.pool, n)
             return rows
 
         def codec_step(n, T):  # the serving path on a throwaway state, every row padding
@@ -256,7 +267,7 @@ class Engine:
             return self.codec.encode(np.zeros(n * self.codec.frame_length, np.float32), self.codec.cfg.sample_rate,
                                      bucket_frames=self.cfg.encode_bucket_frames)
 
-        jobs = {"decode step": decode}
+        jobs = {f"decode step ({', '.join(map(str, self.cfg.decode_steps))} slots)": decode}
         jobs.update({f"prefill batch {b}": functools.partial(prefill, b) for b in self.cfg.prefill_batch_sizes})
         jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
                      for n in self.cfg.codec_batches for T in self.cfg.codec_buckets})
@@ -383,7 +394,7 @@ class Engine:
 
     @staticmethod
     def _new_stats() -> dict:
-        return dict(t=time.perf_counter(), steps=0, codec_calls=0, codec_frames=0,
+        return dict(t=time.perf_counter(), steps=0, step_rows=0, codec_calls=0, codec_frames=0,
                     codec_padded_frames=0, prefills=0, prefill_requests=0)
 
     def _log_stats(self):
@@ -392,9 +403,9 @@ class Engine:
         if not self.cfg.stats_interval_s or now - st["t"] < self.cfg.stats_interval_s:
             return
         dt = now - st["t"]
-        log.info("engine: %.1f decode steps/s (%d frames each), codec %.1f calls/s (%d frames of %d computed), "
-                 "prefill %.1f calls/s (%d requests), %d active, %d waiting", st["steps"] / dt,
-                 self.cfg.frames_per_step, st["codec_calls"] / dt, st["codec_frames"], st["codec_padded_frames"],
+        log.info("engine: %.1f decode steps/s (%d frames each, %.0f slots on average), codec %.1f calls/s (%d frames "
+                 "of %d computed), prefill %.1f calls/s (%d requests), %d active, %d waiting", st["steps"] / dt,
+                 self.cfg.frames_per_step, st["step_rows"] / max(1, st["steps"]), st["codec_calls"] / dt, st["codec_frames"], st["codec_padded_frames"],
                  st["prefills"] / dt, st["prefill_requests"], self.active_count(), len(self.waiting))
         self._stats = self._new_stats()
 
@@ -508,12 +519,17 @@ class Engine:
 
     def _dispatch_step(self):
         t0 = time.perf_counter()
-        rows, self.pool = self._step(self._param_leaves, self.pool)
+        top = max(s for s, r in enumerate(self.slots) if r is not None)  # rows of later-occupied slots are skipped
+        n = next(n for n in self.cfg.decode_steps if n > top)           # by `first_step` in _process_rows
+        rows, self.pool = self._step(self._param_leaves, self.pool, n)
+        self._stats["step_rows"] += n
+        self.metrics.step_slots.labels(slots=str(n)).inc()
         self._inflight.append((self._steps_dispatched, rows, t0))
         self._steps_dispatched += 1
 
     def _process_rows(self, step: int, rows, t0: float):
-        """Stop rules and frame bookkeeping on the rows [F, S, 1+K] of decode step `step`."""
+        """Stop rules and frame bookkeeping on the rows [F, n, 1+K] of decode step `step` (slots [0, n): every slot
+        occupied when it was dispatched)."""
         rows = np.asarray(rows)  # the one host transfer per step
         now = time.perf_counter()
         self.metrics.step_seconds.observe(now - t0)

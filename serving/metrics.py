@@ -26,6 +26,8 @@ class Metrics:
                                       buckets=_LATENCY, registry=r)
         self.step_seconds = Histogram("drama3_decode_step_seconds", "one decode call (all slots)", buckets=_STEP,
                                       registry=r)
+        self.step_slots = Counter("drama3_decode_step_slots", "decode steps dispatched, by the slots they ran over "
+                                  "(the pool, or a smaller --decode-sizes step)", ["slots"], registry=r)
         self.prefill_seconds = Histogram("drama3_prefill_seconds", "one prefill batch", buckets=_STEP, registry=r)
         self.prefill_batch = Histogram("drama3_prefill_batch_size", "requests per prefill batch",
                                        buckets=(1, 2, 4, 8, 16, 32), registry=r)

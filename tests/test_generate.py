@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import drama3_jax
+from drama3_jax.backbone import Backends
 from drama3_jax.generate import Prefiller, RequestSampling, _step, generate, generate_iter, generate_rows
 from drama3_jax.parity import teacher_forced_logits
 from drama3_jax.prompt import build_prompt
@@ -130,3 +131,37 @@ def test_parity_cli(tiny_fp8_dir, tmp_path, model, tok):
     assert out["head_logits"].shape == (T - 1, 9, model.cfg.band_size)
     np.testing.assert_allclose(out["main_logits"], main, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(out["head_logits"], heads, rtol=1e-5, atol=1e-5)
+
+
+def test_frame_step_over_a_pool_prefix_equals_the_prefix_alone(model, tok):
+    """A decode step over rows [0, 2) of a 4-row pool gives the rows of a 2-row batch of the same prompts, and leaves
+    rows 2..3 of every cache and per-row field bit-for-bit untouched (the engine's step sized to its active slots)."""
+    import dataclasses
+
+    import jax
+
+    from drama3_jax.generate import _PER_ROW, DecodeState, _prefiller, frame_step, frame_step_prefix
+    cfg = model.cfg
+    assert set(_PER_ROW) | {"cache"} == {f.name for f in dataclasses.fields(DecodeState)}
+    prompts = [build_prompt(tok, cfg, "One small step."), build_prompt(tok, cfg, "Numbers: 3.14 and 12:30."),
+               build_prompt(tok, cfg, "A third prompt.", [(ref_codes(cfg, 5, 3), "Ref.")]),
+               build_prompt(tok, cfg, "<|speaker:1|> Hi!")]
+    params, seeds = [SamplingParams(1.0, 0.9, 30)] * 4, [21, 22, 23, 24]
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    prefill = _prefiller(model, 256, Backends())
+    rows = np.zeros((4, -(-int(lengths.max()) // prefill.chunk) * prefill.chunk, cfg.row_width), np.int32)
+    for i, p in enumerate(prompts):
+        rows[i, :len(p)] = p
+    pool = prefill(rows, lengths, RequestSampling.make(params, seeds))
+    pair = prefill(rows[:2], lengths[:2], RequestSampling.make(params[:2], seeds[:2]))
+    step_prefix = jax.jit(lambda s: frame_step_prefix(model, s, 2))
+    step_pair = jax.jit(lambda s: frame_step(model, s))
+    before = jax.tree.map(lambda x: np.asarray(x[2:]), pool)
+    for _ in range(3):
+        got, pool = step_prefix(pool)
+        want, pair = step_pair(pair)
+        assert got.shape == (2, cfg.row_width)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(pool.h[:2]), np.asarray(pair.h), rtol=1e-5, atol=1e-5)
+    assert np.asarray(pool.cache.backbone.lengths).tolist() == (lengths + 3).tolist()[:2] + lengths.tolist()[2:]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a[2:]), b), pool, before)

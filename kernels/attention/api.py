@@ -24,20 +24,22 @@ from kernels.dispatch import pick_backend
 
 def _attention_triton(q, k, v, q_pos, kv_len, *, scale: float, **kernel_kwargs):
     if q.shape[1] != 1:
-        return attention_reference(q, k, v, q_pos, kv_len, scale=scale)
+        return _reference(q, k, v, q_pos, kv_len, scale=scale)
     n = jnp.minimum(kv_len.astype(jnp.int32), q_pos[:, 0].astype(jnp.int32) + 1)
     return decode_attention_triton(q[:, 0], k, v, n, scale=scale, **kernel_kwargs)[:, None]
 
 
 def _reference(q, k, v, q_pos, kv_len, *, scale: float, **_):
-    return attention_reference(q, k, v, q_pos, kv_len, scale=scale)
+    B = q.shape[0]
+    return attention_reference(q, k[:B], v[:B], q_pos, kv_len, scale=scale)
 
 
 BACKENDS = {"reference": _reference, "pallas_triton": _attention_triton}
 
 
 def attention(q, k, v, q_pos, kv_len, *, scale: float, backend: str = "reference", **backend_kwargs):
-    """Causal GQA attention: q [B, Tq, Hq, D] at positions q_pos [B, Tq]; k, v [B, Tk, Hkv, D]; key j of sequence b
-    is visible iff j <= q_pos[b, i] and j < kv_len[b]. Softmax in fp32; returns [B, Tq, Hq, D] in q.dtype."""
+    """Causal GQA attention: q [B, Tq, Hq, D] at positions q_pos [B, Tq]; k, v [S, Tk, Hkv, D] with S >= B (rows
+    [0, B) are sequences 0..B-1: a cache pool read in place); key j of sequence b is visible iff j <= q_pos[b, i]
+    and j < kv_len[b]. Softmax in fp32; returns [B, Tq, Hq, D] in q.dtype."""
     fn = pick_backend(BACKENDS, backend, "attention", auto="pallas_triton")
     return fn(q, k, v, q_pos, kv_len, scale=scale, **backend_kwargs)

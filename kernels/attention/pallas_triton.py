@@ -103,13 +103,14 @@ def decode_attention_triton(q, k_cache, v_cache, kv_len, *, scale: float, block_
                             max_splits: int | None = None, interpret: bool = False):
     """One query per sequence over its first kv_len[b] cache rows.
 
-    q [B, Hq, D]; k_cache, v_cache [B, L, Hkv, D] (Hq % Hkv == 0, D a power of two); kv_len [B] int (clamped into
-    [0, L]; 0 gives zeros). Returns [B, Hq, D] in q.dtype."""
+    q [B, Hq, D]; k_cache, v_cache [S, L, Hkv, D], S >= B, row b for query b (Hq % Hkv == 0, D a power of two);
+    kv_len [B] int (clamped into [0, L]; 0 gives zeros). Returns [B, Hq, D] in q.dtype."""
     p = _params(dict(block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
                      target_programs=target_programs, max_splits=max_splits))
     B, Hq, D = q.shape
     L, Hkv = k_cache.shape[1], k_cache.shape[2]
-    assert k_cache.shape == v_cache.shape == (B, L, Hkv, D) and Hq % Hkv == 0 and D == _next_pow2(D)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[0] >= B and k_cache.shape[3] == D
+    assert Hq % Hkv == 0 and D == _next_pow2(D)
     G = Hq // Hkv
     Gp = max(MIN_ROWS, _next_pow2(G))
     BK = p["block_k"]

@@ -91,6 +91,23 @@ def test_kernel_drama3_heads(dtype):
     check(out, ref_decode(q, k, v, n, 256 ** -0.5), n, dtype)
 
 
+@pytest.mark.parametrize("backend", ["pallas_triton", "reference"])
+def test_api_decode_over_a_pool_prefix(backend):
+    """q for rows [0, 3) of a 5-row cache pool: the same output as the 3-row cache alone (rows 3..4 hold NaN: never
+    read), through the api, kernel in interpret mode and reference."""
+    L, Hq, Hkv, D = 48, 4, 2, 16
+    kv_len = [17, 48, 5]
+    q, k, v, n = inputs(5, 3, L, Hq, Hkv, D, kv_len, f32)
+    pool = lambda x: jnp.concatenate([x, jnp.full((2,) + x.shape[1:], jnp.nan, x.dtype)])
+    run = jax.jit(functools.partial(api.attention, scale=0.25, backend=backend,
+                                    **({"interpret": True} if backend != "reference" else {})))
+    q_pos = (n - 1)[:, None]
+    got = run(q[:, None], pool(jnp.nan_to_num(k)), pool(jnp.nan_to_num(v)), q_pos, n)
+    want = run(q[:, None], jnp.nan_to_num(k), jnp.nan_to_num(v), q_pos, n)
+    assert got.shape == (3, 1, Hq, D)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_auto_splits():
     assert pallas_triton.auto_splits(1, 2, 4100, 64, 528, 16) == 16
     assert pallas_triton.auto_splits(128, 2, 4100, 64, 528, 16) == 3

@@ -23,7 +23,7 @@ def engine():
     eng = Engine(talker, tok, codec, EngineConfig(max_streams=128, max_new_tokens=10, max_prompt_rows=512,
                                                   prefill_chunk=128, prefill_batch_sizes=(1, 8),
                                                   prefill_busy_streams=1000, codec_first_chunk=4, codec_chunk=8,
-                                                  compile_threads=4))
+                                                  compile_threads=4, decode_sizes=(8, 64)))
     eng.start()
     yield eng
     eng.shutdown(5)
@@ -59,11 +59,15 @@ def run(engine, texts, seeds, max_frames=10):
 
 
 def test_same_audio_alone_and_among_127_others(engine):
+    """Also: decode steps sized to the occupied slots (8 / 64 / 128 of the pool) give the same tokens as offline
+    generation, alone (8-slot steps) and in a crowd whose lower slots free up first."""
     target = "The one request we watch closely."
     (alone,), (alone_codes,) = run(engine, [target], [42])
+    steps = lambda n: _sample_value(engine.metrics.step_slots, "_total", slots=str(n))  # noqa: E731
+    assert steps(8) > 0 and steps(64) == steps(128) == 0
     texts = [f"Background request number {i}, saying something." for i in range(127)]
     crowd, crowd_codes = run(engine, texts[:60] + [target] + texts[60:], list(range(60)) + [42] + list(range(60, 127)))
-    assert engine.active_count() == 0
+    assert engine.active_count() == 0 and steps(128) > 0
     np.testing.assert_array_equal(crowd_codes[60], alone_codes)  # the same tokens, bit for bit
     np.testing.assert_allclose(crowd[60], alone, atol=1e-4)  # the codec ran in other batch shapes: float rounding
     # and it is exactly what offline generation + a one-shot codec decode give
