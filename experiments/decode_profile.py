@@ -3,7 +3,8 @@
 Phase "timing": for each kernel variant and slot count, the jitted `frame_step` (main-token sampling, 13 tower layers
 with 9 head samplings, the backbone step) on a slot pool whose caches hold `--context` rows (ragged, +-50%) of random
 data; time per step as the median over windows of back-to-back steps (device throughput: dispatch runs ahead), and
-per host round trip (one step, then wait: what a synchronous server loop sees).
+per host round trip (one step, then wait: what a synchronous server loop sees). With `--pool S` the step runs over the
+first `--slots` rows of an S-slot pool (`frame_step_prefix`, the server's `--decode-sizes`).
 Phase "profile": one variant at one slot count under `jax.profiler.trace`; GPU kernel time per category (the named
 scopes of `frame_step`: moe_experts, gdn_core, attention_core, sampling, ...) beside each category's roofline
 (bytes / 4.2 TB/s, flops / 780 TFLOP/s). Run it with XLA command buffers off (XLA_FLAGS=
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from drama3_jax.backbone import Backends
 from drama3_jax.config import preset
-from drama3_jax.generate import DecodeState, RequestSampling, frame_step
+from drama3_jax.generate import DecodeState, RequestSampling, frame_step_prefix
 from drama3_jax.model import ModelCache, init_model_cache
 from drama3_jax.random_init import random_talker
 from drama3_jax.sampling import RAS_WINDOW, SamplingParams
@@ -81,8 +82,9 @@ def make_state(cfg, slots: int, max_len: int, context: int, state_dtype: str, se
                        top_p=smp.top_p, top_k=smp.top_k)
 
 
-def make_step(graphdef, backends: Backends):
-    return jax.jit(lambda p, s: frame_step(nnx.merge(graphdef, p), s, backends), donate_argnums=(1,))
+def make_step(graphdef, backends: Backends, rows: int):
+    """The jitted frame step over the first `rows` rows of the state (all of them when it has no more)."""
+    return jax.jit(lambda p, s: frame_step_prefix(nnx.merge(graphdef, p), s, rows, backends), donate_argnums=(1,))
 
 
 def time_step(step, params, state, windows: int = 5, per_window: int = 8):
@@ -223,6 +225,9 @@ def main(argv=None):
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 64, 128, 256])
     ap.add_argument("--variants", nargs="+", default=["pallas_bf16"], choices=sorted(VARIANTS))
     ap.add_argument("--extra", nargs="*", default=[], help="variant@slots pairs timed in addition, e.g. reference@128")
+    ap.add_argument("--pool", type=int, default=0,
+                    help="slot pool size: each step runs over the first --slots rows of a pool this large (the "
+                         "server's --decode-sizes); 0 = a pool of exactly --slots")
     ap.add_argument("--context", type=int, default=512, help="mean cache rows per slot (ragged +-50%%)")
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--profile-steps", type=int, default=5)
@@ -253,11 +258,12 @@ def main(argv=None):
             R["rows"].append({"variant": variant, "slots": slots, "skipped": "budget"})
             continue
         backends, state_dtype = VARIANTS[variant]
-        row = {"variant": variant, "slots": slots, "backends": dataclasses.asdict(backends),
+        pool = max(slots, args.pool)
+        row = {"variant": variant, "slots": slots, "pool": pool, "backends": dataclasses.asdict(backends),
                "ssm_state_dtype": state_dtype}
         try:
-            state = make_state(cfg, slots, args.max_len, args.context, state_dtype)
-            step = make_step(graphdef, backends)
+            state = make_state(cfg, pool, args.max_len, args.context, state_dtype)
+            step = make_step(graphdef, backends, slots)
             t = time.time()
             compiled = step.lower(params, state).compile()
             row["compile_s"] = round(time.time() - t, 1)
@@ -331,7 +337,8 @@ def write_markdown(R: dict, path: str):
             if "step_ms" not in r:
                 lines.append(f"| {r['variant']} | {r['slots']} | {r.get('error') or r.get('skipped')} |||||||")
                 continue
-            lines.append(f"| {r['variant']} | {r['slots']} | {r['step_ms']:.2f} | {r['round_trip_ms']:.2f} | "
+            n = f"{r['slots']} of {r['pool']}" if r.get("pool", r["slots"]) > r["slots"] else r["slots"]
+            lines.append(f"| {r['variant']} | {n} | {r['step_ms']:.2f} | {r['round_trip_ms']:.2f} | "
                          f"{r['frames_per_s']:.0f} | {r['audio_s_per_s']:.1f} | {r['roofline_ms']:.2f} | "
                          f"{r['pct_roofline']:.0f}% | {r['compile_s']} |")
     else:
