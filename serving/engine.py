@@ -91,9 +91,9 @@ class EngineConfig:
     # the H200: 103.7 vs 98.4 audio s/s, TTFA p50 1,608 vs 1,924 ms, both 0 broken (experiments/results/ablate_128_d/)
     codec_batch_sizes: tuple[int, ...] = (8, 32, 64)
     # decode steps run over slots [0, n), n the smallest of these sizes (or the pool) above every occupied slot (new
-    # streams take the lowest free slot): the step's cost follows the pool size, not the active streams (30.1 ms at
-    # 256 slots vs 23.4 at 128 on the H200, experiments/results/decode_timing.md). () = always the whole pool. Each
-    # size is one more compiled decode step.
+    # streams take the lowest free slot): a step's cost follows the slots it covers, not the active streams (30.1 ms
+    # at 256 slots vs 23.4 at 128 on the H200, experiments/results/decode_timing.md). () = always the whole pool. Each
+    # size is one more compiled decode step. Not yet measured on the H200, hence off.
     decode_sizes: tuple[int, ...] = ()
     stats_interval_s: float = 10.0  # log step / codec / prefill statistics this often (0: never)
     # an engine loop iteration (admit + tick) longer than this is logged with the time of each phase, and a Python
@@ -405,8 +405,9 @@ class Engine:
         dt = now - st["t"]
         log.info("engine: %.1f decode steps/s (%d frames each, %.0f slots on average), codec %.1f calls/s (%d frames "
                  "of %d computed), prefill %.1f calls/s (%d requests), %d active, %d waiting", st["steps"] / dt,
-                 self.cfg.frames_per_step, st["step_rows"] / max(1, st["steps"]), st["codec_calls"] / dt, st["codec_frames"], st["codec_padded_frames"],
-                 st["prefills"] / dt, st["prefill_requests"], self.active_count(), len(self.waiting))
+                 self.cfg.frames_per_step, st["step_rows"] / max(1, st["steps"]), st["codec_calls"] / dt,
+                 st["codec_frames"], st["codec_padded_frames"], st["prefills"] / dt, st["prefill_requests"],
+                 self.active_count(), len(self.waiting))
         self._stats = self._new_stats()
 
     def _drop_cancelled_waiting(self):
