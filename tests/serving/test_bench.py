@@ -4,6 +4,7 @@ server over HTTP, request-file errors, --launch, and a run against the live tiny
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import sys
 from pathlib import Path
@@ -91,13 +92,21 @@ SCRIPTS = {
 
 
 def fake_run(reqs, concurrency, forced=False):
+    """Client and scripted server in one event loop. Python's garbage collector is off meanwhile: after the kernel
+    tests the heap is large, and a CI run saw the loop stall ~0.9 s (most likely a full collection), far past the
+    scripted timings' tolerance."""
     async def go():
         server = await fake_tts_server.start(SCRIPTS)
         port = server.sockets[0].getsockname()[1]
         async with server:
             return await run_batch(f"http://127.0.0.1:{port}", reqs, concurrency, Sampling(), forced)
 
-    return asyncio.run(go())
+    gc.collect()
+    gc.disable()
+    try:
+        return asyncio.run(go())
+    finally:
+        gc.enable()
 
 
 def test_scripted_timings_over_http():
