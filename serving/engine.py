@@ -215,6 +215,7 @@ class Engine:
                                    state_dtype=jnp.dtype(cfg.ssm_state_dtype) if cfg.ssm_state_dtype else None)
         self._insert = jax.jit(prefill_insert, donate_argnums=(0,) if donate else ())
         self._step = jax.jit(decode_step, static_argnums=(2,), donate_argnums=(1,) if donate else ())
+        self._decode_steps = cfg.decode_steps
         self.pool: DecodeState | None = None
         self.codec_state = None
         self.slots: list[Request | None] = [None] * S
@@ -255,7 +256,7 @@ class Engine:
                                   RequestSampling.make([SamplingParams()] * b, list(range(b))))
 
         def decode():  # one job for every size: each call donates and replaces the pool
-            for n in self.cfg.decode_steps:
+            for n in self._decode_steps:
                 rows, self.pool = self._step(self._param_leaves, self.pool, n)
             return rows
 
@@ -267,7 +268,7 @@ class Engine:
             return self.codec.encode(np.zeros(n * self.codec.frame_length, np.float32), self.codec.cfg.sample_rate,
                                      bucket_frames=self.cfg.encode_bucket_frames)
 
-        jobs = {f"decode step ({', '.join(map(str, self.cfg.decode_steps))} slots)": decode}
+        jobs = {f"decode step ({', '.join(map(str, self._decode_steps))} slots)": decode}
         jobs.update({f"prefill batch {b}": functools.partial(prefill, b) for b in self.cfg.prefill_batch_sizes})
         jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
                      for n in self.cfg.codec_batches for T in self.cfg.codec_buckets})
@@ -520,8 +521,10 @@ class Engine:
 
     def _dispatch_step(self):
         t0 = time.perf_counter()
-        top = max(s for s, r in enumerate(self.slots) if r is not None)  # rows of later-occupied slots are skipped
-        n = next(n for n in self.cfg.decode_steps if n > top)           # by `first_step` in _process_rows
+        n = self._decode_steps[-1]
+        if len(self._decode_steps) > 1:  # rows of slots occupied later are skipped by `first_step` in _process_rows
+            top = max(s for s, r in enumerate(self.slots) if r is not None)
+            n = next(n for n in self._decode_steps if n > top)
         rows, self.pool = self._step(self._param_leaves, self.pool, n)
         self._stats["step_rows"] += n
         self.metrics.step_slots.labels(slots=str(n)).inc()

@@ -107,6 +107,23 @@ def _params(table: str, overrides: dict) -> dict:
     return p
 
 
+def _conv_silu(conv_ref, x_ref, w_ref, slot, bi, off: int, n: int, ksize: int):
+    """Depthwise causal conv + SiLU of channels [off, off + n) over [conv_state rows of `slot`..., x row `bi`]; same
+    casts as reference.causal_conv1d (the state is cast to x's dtype before the fp32 sum). Reads only."""
+    ch = pl.ds(off, n)
+    xs = [conv_ref[slot, i, ch].astype(x_ref.dtype) for i in range(ksize - 1)] + [x_ref[bi, ch]]
+    y = xs[0].astype(f32) * w_ref[ch, 0].astype(f32)
+    for i in range(1, ksize):
+        y = y + xs[i].astype(f32) * w_ref[ch, i].astype(f32)
+    return y * jax.nn.sigmoid(y)
+
+
+def _decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, h):
+    """(e^g, beta) of value head h for row bi: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+    g = -jnp.exp(alog_ref[h].astype(f32)) * _softplus(a_ref[bi, h].astype(f32) + dtb_ref[h].astype(f32))
+    return jnp.exp(g), jax.nn.sigmoid(b_ref[bi, h].astype(f32))
+
+
 # ==================================================================================================== decode
 def _decode_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref, state_ref,
                    o_ref, conv_out_ref, state_out_ref, *, hk, dk, dv, rep, bv, ksize, prefetch, barrier):
@@ -118,24 +135,12 @@ def _decode_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, con
     sdt = state_out_ref.dtype
     nj = dv // bv
 
-    def conv(off, n):
-        """Depthwise causal conv + SiLU of channels [off, off + n) over [conv_state rows..., x]; same casts as
-        reference.causal_conv1d (the state is cast to x's dtype before the fp32 sum). Reads only."""
-        ch = pl.ds(off, n)
-        xs = [conv_ref[slot, i, ch].astype(xdt) for i in range(ksize - 1)] + [x_ref[bi, ch]]
-        y = xs[0].astype(f32) * w_ref[ch, 0].astype(f32)
-        for i in range(1, ksize):
-            y = y + xs[i].astype(f32) * w_ref[ch, i].astype(f32)
-        return y * jax.nn.sigmoid(y)
+    conv = functools.partial(_conv_silu, conv_ref, x_ref, w_ref, slot, bi, ksize=ksize)
 
     q = _l2n(conv(kh * dk, dk)) * (dk ** -0.5)
     k = _l2n(conv(kd + kh * dk, dk))
     kq = jnp.sum(k * q)
-    gates = []
-    for r in range(rep):
-        h = kh * rep + r
-        g = -jnp.exp(alog_ref[h].astype(f32)) * _softplus(a_ref[bi, h].astype(f32) + dtb_ref[h].astype(f32))
-        gates.append((jnp.exp(g), jax.nn.sigmoid(b_ref[bi, h].astype(f32))))
+    gates = [_decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, kh * rep + r) for r in range(rep)]
 
     # State tiles [dk, bv]: each read once and written once, `prefetch` tiles loaded ahead of the store.
     # With d = e^g: kv = d S^T k and sq = d S^T q both use the old S (independent reductions), then
@@ -193,24 +198,14 @@ def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
     slot = slots_ref[bi]
     kh = h // rep
     kd = hk * dk
-    xdt = x_ref.dtype
-
-    def conv(off, n):
-        ch = pl.ds(off, n)
-        xs = [conv_ref[slot, i, ch].astype(xdt) for i in range(ksize - 1)] + [x_ref[bi, ch]]
-        y = xs[0].astype(f32) * w_ref[ch, 0].astype(f32)
-        for i in range(1, ksize):
-            y = y + xs[i].astype(f32) * w_ref[ch, i].astype(f32)
-        return y * jax.nn.sigmoid(y)
+    conv = functools.partial(_conv_silu, conv_ref, x_ref, w_ref, slot, bi, ksize=ksize)
 
     tile = (slot, h, pl.ds(j * bv, bv), slice(None)) if v_major else (slot, h, slice(None), pl.ds(j * bv, bv))
     s = state_ref[tile].astype(f32)  # issued first: the longest latency; [bv, dk] if v_major else [dk, bv]
     q = _l2n(conv(kh * dk, dk)) * (dk ** -0.5)
     k = _l2n(conv(kd + kh * dk, dk))
     v = conv(2 * kd + h * dv + j * bv, bv)
-    g = -jnp.exp(alog_ref[h].astype(f32)) * _softplus(a_ref[bi, h].astype(f32) + dtb_ref[h].astype(f32))
-    d = jnp.exp(g)
-    beta = jax.nn.sigmoid(b_ref[bi, h].astype(f32))
+    d, beta = _decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, h)
     kd_axis = 1 if v_major else 0  # the D_k axis of the tile
     kb = k[None, :] if v_major else k[:, None]
     kv = d * jnp.sum(s * kb, axis=kd_axis)
