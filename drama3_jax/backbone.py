@@ -30,13 +30,22 @@ from kernels.moe import ExpertWeights, moe_experts
 @dataclasses.dataclass(frozen=True)
 class Backends:
     """Which implementation each op uses (static under jit): "reference" (plain jnp), a Pallas backend name, or
-    "auto" (the Pallas kernel on GPU, the reference elsewhere)."""
+    "auto" (the Pallas kernel on GPU, the reference elsewhere).
+
+    moe_activations: "bf16" (W8A16: the checkpoint's math, FP8 weights dequantised) or "fp8" (W8A8: the routed experts'
+    inputs quantised to e4m3 per token and 128 columns, FP8 x FP8 GEMMs; kernels/moe/quant.py). Applies to FP8
+    expert weights only, on the "reference" and Pallas MoE backends."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
     gdn_decode: str = "reference"
     attention: str = "reference"
     sampling: str = "reference"
+    moe_activations: str = "bf16"
+
+    def __post_init__(self):
+        if self.moe_activations not in ("bf16", "fp8"):
+            raise ValueError(f"moe_activations must be 'bf16' or 'fp8', got {self.moe_activations!r}")
 
     @classmethod
     def auto(cls) -> "Backends":
@@ -217,13 +226,15 @@ class SparseMoe(nnx.Module):
         top, ids = jax.lax.top_k(logits, self.top_k)
         return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
 
-    def __call__(self, x, *, backend: str):
+    def __call__(self, x, *, backend: str, act_fp8: bool = False):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         with jax.named_scope("router"):
             ids, w = self.route(xf)
         with jax.named_scope("moe_experts"):
-            routed = moe_experts(xf, ids, w, self.experts.weights(), backend=backend)
+            weights = self.experts.weights()
+            options = {"act_fp8": True} if (act_fp8 and weights.is_fp8) else {}
+            routed = moe_experts(xf, ids, w, weights, backend=backend, **options)
         with jax.named_scope("shared_expert"):
             shared = self.shared_expert(xf)
             sg = jax.nn.sigmoid(self.shared_expert_gate(xf).astype(jnp.float32))
@@ -306,7 +317,8 @@ class Drama3Backbone(nnx.Module):
                                                            backends=backends)
                 li += 1
             x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x), backend=backends.moe)
+            x = x + layer.mlp(layer.post_attention_layernorm(x), backend=backends.moe,
+                              act_fp8=backends.moe_activations == "fp8")
         x = self.model.language_model.norm(x)
         return x, BackboneCache(k=ks, v=vs, conv=convs, ssm=ssms,
                                 lengths=cache.lengths.at[:B].set(start + new_lengths.astype(jnp.int32)))

@@ -99,6 +99,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "gdn_ref": ("GDN Pallas kernels (prefill + decode) -> jnp reference", _backends(gdn_prefill="reference",
                                                                                     gdn_decode="reference")),
     "moe_xla": ("Pallas MoE -> XLA ragged_dot", _backends(moe="xla_ragged_dot")),
+    "moe_w8a8": ("routed experts W8A16 (bf16 activations) -> W8A8 (FP8 activations per token and 128 columns)",
+                 _backends(moe_activations="fp8")),
     "sampling_ref": ("fused sampling kernel -> sort-based reference", _backends(sampling="reference")),
     "ssm_fp32": ("bf16 GDN state -> fp32", lambda c: dataclasses.replace(c, ssm_state_dtype="float32")),
     "four_frames": ("one frame per host call (the server default, pipelined) -> 4 frames per call (multi-frame "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -36,6 +37,8 @@ PREFILL_T = [2048, 8192, 16384]
 HBM_BPS = 4.2e12  # measured device-to-device copy, h200-baselines.md
 PEAK_FLOPS = 780e12  # measured XLA bf16 GEMM
 REF_MAX_T = 256
+W8A8 = "pallas_triton_w8a8"  # our kernels with FP8 activations (FP8 weights only)
+OURS = ("pallas_triton", W8A8)
 # Decode-regime tile variants swept against the table default (16-row blocks; gate/up N 64 / K 128; down N 128 /
 # K 128; 4 warps, 4 stages). Down has only I/128 = 4 K steps per program, so its occupancy knobs come first.
 DECODE_TILE_VARIANTS = {
@@ -52,6 +55,15 @@ DECODE_TILE_VARIANTS = {
     "narrow32,w2": dict(gu_block_n=32, gu_warps=2, dn_block_n=32, dn_warps=2),
     "narrow16,w1": dict(gu_block_n=16, gu_warps=1, dn_block_n=16, dn_warps=1),
 }  # the dense-gather reference materialises [T, k, 3, 512, 2048] weights
+W8A8_DECODE_VARIANTS = {  # one knob at a time around its decode base (the FP8 decode tiles, K 128)
+    "dn_bn64,dn_w4": dict(dn_block_n=64, dn_warps=4),
+    "dn_bn128,dn_w4": dict(dn_block_n=128, dn_warps=4),
+    "gu_bn128": dict(gu_block_n=128),
+    "gu_bn32,gu_w2": dict(gu_block_n=32, gu_warps=2),
+    "gu_s3": dict(gu_stages=3),
+    "gu_s6": dict(gu_stages=6),
+    "gu_w8": dict(gu_warps=8),
+}
 
 
 def layer_flops(T):
@@ -273,8 +285,9 @@ class Runner:
         from kernels.moe.reference import moe_experts_reference
         from kernels.moe.xla_ragged_dot import moe_experts_ragged_dot
 
-        if name == "pallas_triton":
-            return lambda x, i, t, w: moe_experts_pallas_triton(x, i, t, w, config=cfg), None
+        if name in OURS:
+            act_fp8 = name == W8A8
+            return lambda x, i, t, w: moe_experts_pallas_triton(x, i, t, w, config=cfg, act_fp8=act_fp8), None
         if name == "xla_ragged_dot":
             return moe_experts_ragged_dot, None
         if name == "reference":
@@ -342,7 +355,7 @@ class Runner:
             touched = b["touched"]
             b.clear()  # free the executable
             r.update(self.metrics(name, fp8, T, r["ms"], touched))
-            if cfg is not None and name == "pallas_triton":
+            if cfg is not None and name in OURS:
                 r["config"] = repr(cfg)
             r.update(sp.get("extra", {}))
             record.append(r)
@@ -377,7 +390,7 @@ class Runner:
             x, ids, tw = routing(jax, jnp, T, seed=7)
             for fp8 in (True, False):
                 for name in self.backends(include_ref=False):
-                    if name != "pallas_triton" and T > 128:
+                    if (name not in OURS and T > 128) or (name == W8A8 and not fp8):
                         continue
                     fn, ws = self.layer_fn(name, fp8)
                     wb = ws[0] if ws is not None else self.weights(fp8)[0]
@@ -397,17 +410,21 @@ class Runner:
                     c = comp((name, fp8, T, fn, args))
                 x, ids, tw, _ = args
                 n = T if T <= 128 else 64
-                if (T, fp8) not in refs:
-                    w = self.weights(fp8)[0]
-                    refs[(T, fp8)] = jax.jit(moe_experts_reference)(x[:n], ids[:n], tw[:n], w)
+                w = self.weights(fp8)[0]
+                for a8 in {False, name == W8A8}:
+                    if (T, fp8, a8) not in refs:
+                        refs[(T, fp8, a8)] = jax.jit(functools.partial(moe_experts_reference, act_fp8=a8))(
+                            x[:n], ids[:n], tw[:n], w)
                 out, again = c(*args), c(*args)
-                e = rel_err(out[:n], refs[(T, fp8)])
+                e = rel_err(out[:n], refs[(T, fp8, name == W8A8)])
+                e_a16 = rel_err(out[:n], refs[(T, fp8, False)])  # W8A8: its distance from the checkpoint's math
                 finite = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
                 det = bool(jnp.array_equal(out, again))
                 self.res["correctness"].append(dict(backend=name, weights="fp8" if fp8 else "bf16", T=T,
-                                                    rows_checked=n, rel_err=e, all_finite=finite, deterministic=det))
-                print(f"correct {name:15s} {'fp8' if fp8 else 'bf16'} T={T}: rel_err={e:.2e} finite={finite} "
-                      f"deterministic={det}", flush=True)
+                                                    rows_checked=n, rel_err=e, rel_err_vs_bf16_activations=e_a16,
+                                                    all_finite=finite, deterministic=det))
+                print(f"correct {name:15s} {'fp8' if fp8 else 'bf16'} T={T}: rel_err={e:.2e} (vs bf16 activations "
+                      f"{e_a16:.2e}) finite={finite} deterministic={det}", flush=True)
             except Exception as ex:  # noqa: BLE001
                 self.err(f"correct {name} fp8={fp8} T={T}", ex)
         self.save()
@@ -422,9 +439,18 @@ class Runner:
 
     # Variants of our kernel measured in this run; the bench then uses, per regime (decode T <= 256, prefill), the
     # fastest variant of this run's sweep (the tuning table in kernels/moe/tuning.py records the winners).
-    def our_variants(self, fp8, decode):
+    def our_variants(self, fp8, decode, name="pallas_triton"):
         from kernels.moe.tuning import TritonMoeConfig as C
 
+        if name == W8A8:  # K tiles fixed at 128 (the activation scale group)
+            base = dict(block_m=16, gu_block_n=64, gu_block_k=128, dn_block_n=32, dn_block_k=128, dn_warps=2) \
+                if decode else dict(block_m=64, gu_block_n=128, gu_block_k=128, dn_block_n=128, dn_block_k=128,
+                                    gu_stages=3, dn_stages=3)
+            if decode:
+                return {"plain": C(**base), "swap_ab": C(**base, swap_ab=True),
+                        **{v: C(**dict(base, **kw)) for v, kw in W8A8_DECODE_VARIANTS.items()}}
+            return {"plain": C(**base), "bm128,w8": C(**dict(base, block_m=128, gu_warps=8, dn_warps=8)),
+                    "s4": C(**dict(base, gu_stages=4, dn_stages=4))}
         if decode:
             base = dict(block_m=16, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128)
         elif fp8:
@@ -448,10 +474,11 @@ class Runner:
         specs = []
         for T in sweep_T:
             for fp8 in [w == "fp8" for w in self.args.sweep_weights.split(",")]:
-                for vname, cfg in self.our_variants(fp8, T <= 256).items():
-                    if self.args.sweep_variants and vname not in self.args.sweep_variants.split(";"):
-                        continue
-                    specs.append(dict(name="pallas_triton", fp8=fp8, T=T, cfg=cfg, extra=dict(variant=vname)))
+                for name in [n for n in OURS if n in self.backends() and (fp8 or n != W8A8)]:
+                    for vname, cfg in self.our_variants(fp8, T <= 256, name).items():
+                        if self.args.sweep_variants and vname not in self.args.sweep_variants.split(";"):
+                            continue
+                        specs.append(dict(name=name, fp8=fp8, T=T, cfg=cfg, extra=dict(variant=vname)))
         # tokamax: bf16 configs were swept in an earlier run on this machine (see tokamax_best_cfg); FP8 (f16
         # compute, see tokamax_weights) allows only block_n=64: its default vs one alternative per regime.
         if self.tk and "tokamax" in self.backends():
@@ -461,7 +488,7 @@ class Runner:
                     cc = tk_config(*c, True)
                     specs.append(dict(name="tokamax", fp8=True, T=T, cfg=(cc, cc), extra=dict(tk_cfg=list(c))))
         self.measure_many(specs, self.res["sweep"], "sweep")
-        self.check_variants([sp for sp in specs if sp["name"] == "pallas_triton" and sp["T"] <= REF_MAX_T])
+        self.check_variants([sp for sp in specs if sp["name"] in OURS and sp["T"] <= REF_MAX_T])
 
     def check_variants(self, specs):
         """Each swept decode variant once more, against the dense reference on the same inputs (rel_err lands in
@@ -475,7 +502,7 @@ class Runner:
 
         def comp(sp):
             x, ids, tw = routing(jax, self.jnp, sp["T"], seed=7)
-            fn, _ = self.layer_fn("pallas_triton", sp["fp8"], sp["cfg"])
+            fn, _ = self.layer_fn(sp["name"], sp["fp8"], sp["cfg"])
             args = (x, ids, tw, self.weights(sp["fp8"])[0])
             return jax.jit(fn).lower(*args).compile(), args
 
@@ -485,28 +512,28 @@ class Runner:
         for sp, fut in zip(specs, futs):
             try:
                 c, args = fut.result()
-                key = (sp["T"], sp["fp8"])
+                key = (sp["T"], sp["fp8"], sp["name"] == W8A8)
                 if key not in refs:
-                    refs[key] = jax.jit(moe_experts_reference)(*args)
+                    refs[key] = jax.jit(functools.partial(moe_experts_reference, act_fp8=key[2]))(*args)
                 e = rel_err(c(*args), refs[key])
             except Exception as ex:  # noqa: BLE001
                 self.err(f"check sweep variant {sp['extra']} fp8={sp['fp8']} T={sp['T']}", ex)
                 continue
             for r in self.res["sweep"]:
-                if (r["backend"], r["T"], r.get("variant")) == ("pallas_triton", sp["T"], sp["extra"]["variant"]) \
+                if (r["backend"], r["T"], r.get("variant")) == (sp["name"], sp["T"], sp["extra"]["variant"]) \
                         and r["weights"] == ("fp8" if sp["fp8"] else "bf16"):
                     r["rel_err"] = e
             print(f"check {sp['extra']['variant']:16s} {'fp8' if sp['fp8'] else 'bf16'} T={sp['T']}: rel_err={e:.2e}",
                   flush=True)
         self.save()
 
-    def our_best_cfg(self, fp8, T):
-        rows = [r for r in self.res["sweep"] if r["backend"] == "pallas_triton"
+    def our_best_cfg(self, fp8, T, name="pallas_triton"):
+        rows = [r for r in self.res["sweep"] if r["backend"] == name
                 and r["weights"] == ("fp8" if fp8 else "bf16") and (r["T"] <= 256) == (T <= 256)]
         if not rows:
             return None, "table default"
         best = min(rows, key=lambda r: r["ms"])
-        return self.our_variants(fp8, T <= 256)[best["variant"]], best["variant"]
+        return self.our_variants(fp8, T <= 256, name)[best["variant"]], best["variant"]
 
     def tokamax_best_cfg(self, fp8, T):
         """bf16: the best of the earlier sweep on this machine (block_m 64, block_n 128, block_k 64, 4 stages, both
@@ -530,7 +557,7 @@ class Runner:
             specs = []
             for fp8 in (True, False):
                 for T in Ts:
-                    if name == "reference" and T > REF_MAX_T:
+                    if (name == "reference" and T > REF_MAX_T) or (name == W8A8 and not fp8):
                         continue
                     if name == "xla_ragged_dot" and (T > 8192 or (fp8 and T > 256)):
                         # XLA lowers ragged_dot to a dense [M, E*K] GEMM: at T=16384 its autotuner asks for 128 GiB
@@ -540,8 +567,8 @@ class Runner:
                     cfg, note = None, None
                     if name == "tokamax":
                         cfg, note = self.tokamax_best_cfg(fp8, T)
-                    elif name == "pallas_triton":
-                        cfg, note = self.our_best_cfg(fp8, T)
+                    elif name in OURS:
+                        cfg, note = self.our_best_cfg(fp8, T, name)
                     specs.append(dict(name=name, fp8=fp8, T=T, cfg=cfg, extra=dict(variant=note) if note else {}))
             if self.left() < 20:
                 print(f"budget exhausted before {name}", flush=True)
@@ -601,12 +628,14 @@ def report(res, outdir):
             f"{d[t]['TFLOPs']:.0f} ({d[t]['pct_of_bf16_peak']:.0f}%)" if t in d else "-"
             for t in Ts if t > 256) + " |")
     if res.get("correctness"):
-        lines += ["", "## Correctness on the device (vs the dense reference)", "",
-                  "| backend | weights | T | rows | rel. error | finite | same output twice |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "## Correctness on the device (vs the dense reference; W8A8 rows: the reference with the same "
+                  "activation quantisation)", "",
+                  "| backend | weights | T | rows | rel. error | vs bf16 activations | finite | same output twice |",
+                  "|---|---|---|---|---|---|---|---|"]
         for c in res["correctness"]:
+            a16 = c.get("rel_err_vs_bf16_activations")
             lines.append(f"| {c['backend']} | {c['weights']} | {c['T']} | {c['rows_checked']} | {c['rel_err']:.2e} "
-                         f"| {c['all_finite']} | {c.get('deterministic', '-')} |")
+                         f"| {'-' if a16 is None else f'{a16:.2e}'} | {c['all_finite']} | {c.get('deterministic', '-')} |")
     if res.get("errors"):
         lines += ["", "## Errors", ""] + [f"- {e}" for e in res["errors"]]
     md = "\n".join(lines) + "\n"
@@ -642,7 +671,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.environ.get("OUT", "experiments/results"))
     p.add_argument("--phases", default="correct,bench")
-    p.add_argument("--backends", default="pallas_triton,xla_ragged_dot,tokamax,reference")
+    p.add_argument("--backends", default="pallas_triton,pallas_triton_w8a8,xla_ragged_dot,tokamax,reference")
     p.add_argument("--T", default="")
     p.add_argument("--sweep-T", default="128,8192")
     p.add_argument("--sweep-weights", default="fp8,bf16", help="weight dtypes of the sweep")

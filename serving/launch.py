@@ -10,6 +10,7 @@ whole pipeline works, the audio is noise. The log and /v1/models say so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import tempfile
 import threading
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GDN recurrent-state dtype (default: the checkpoint's mamba_ssm_dtype)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "reference"],
                     help="auto: Pallas kernels (MoE, GDN, sampling) on GPU, plain-jnp references elsewhere")
+    ap.add_argument("--moe-activations", default="bf16", choices=["bf16", "fp8"],
+                    help="routed experts with FP8 weights: bf16 activations (W8A16, the checkpoint's math) or FP8 "
+                         "activations quantised per token and 128 columns (W8A8, FP8 tensor cores)")
     ap.add_argument("--compilation-cache", default=str(Path.home() / ".cache" / "drama3-jax" / "xla"),
                     help="persistent XLA compilation cache directory ('' disables)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain streams on SIGTERM")
@@ -175,7 +179,8 @@ def main(argv=None):
                        stall_warn_s=args.stall_warn_s,
                        encode_warmup=args.encode_warmup,
                        benchmark_mode=args.benchmark_mode, dtype=args.dtype, ssm_state_dtype=args.ssm_state_dtype,
-                       backends=Backends.auto() if args.kernels == "auto" else Backends())
+                       backends=dataclasses.replace(Backends.auto() if args.kernels == "auto" else Backends(),
+                                                    moe_activations=args.moe_activations))
     engine = Engine(talker, tok, codec, cfg, metrics)
     voices = VoiceStore(args.voices_dir or tempfile.mkdtemp(prefix="drama3-voices-"))
     resolver = ReferenceResolver(codec, talker.cfg, args.allowed_local_media_path, cfg.encode_bucket_frames)

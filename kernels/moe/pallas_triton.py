@@ -14,6 +14,10 @@ converted to bf16 in registers and fed to a bf16 x bf16 -> fp32 dot (W8A16); as 
 of vLLM's block-FP8 fused_moe and DeepGEMM). N tiles are the fastest grid axis, so the programs that share a block's
 activations run together and an expert's weight tiles are read from HBM once per step in decode.
 
+W8A8 (`act_fp8=True`, FP8 weights): each [rows, 128] activation tile is quantised to e4m3 in registers, one scale per
+row (kernels/moe/quant.py), and fed with the FP8 weight tile, as loaded, to an FP8 x FP8 -> fp32 dot; the partial
+product of each K step is scaled by row scale x block scale. No weight conversion at all, and the FP8 tensor-core rate.
+
 Options (TritonMoeConfig, chosen per regime in kernels/moe/tuning.py from H200 sweeps): `gu_f16` runs the gate/up GEMM in
 f16 when the weights are FP8 (e4m3 -> f16 is a single convert on sm90, -> bf16 is not; assumes |x| < 65504, true for the
 RMS-normed MoE input); `swap_ab` puts the weight tile on the MMA's M side (measured slower in Triton, kept for study).
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels.moe.quant import ACT_GROUP, quantize_rows_fp8
 from kernels.moe.routing import BlockSchedule, expert_block_schedule
 from kernels.moe.tuning import TRITON_TABLE, TritonMoeConfig, pick
 from kernels.moe.weights import ExpertWeights
@@ -47,8 +52,31 @@ def _check_fp8_tile(w: ExpertWeights, bn: int, bk: int, what: str):
         raise ValueError(f"{what}: FP8 tiles must lie inside one {w.block} scale block, got bn={bn}, bk={bk}")
 
 
+def _check_act_fp8(w: ExpertWeights, bk: int, what: str):
+    if not w.is_fp8:
+        raise ValueError(f"{what}: act_fp8 (W8A8) needs FP8 expert weights")
+    if bk != ACT_GROUP:
+        raise ValueError(f"{what}: act_fp8 needs K tiles of {ACT_GROUP} (one activation scale group), got bk={bk}")
+
+
+def _scaled_dot(a, w, scale, row_scale, *, swap_ab):
+    """fp32 partial product of one K step: a [bm, bk] times the weight tile w [bn, bk] (same dtype: bf16/f16, or both
+    e4m3 for W8A8), times the weight block `scale` (None for bf16 weights) and the per-row scale of a quantised `a`
+    (None unless W8A8). [bm, bn], or [bn, bm] when swap_ab (W tile as the MMA's M side, as tokamax's sm90 quant kernel
+    does)."""
+    if swap_ab:
+        d = jax.lax.dot_general(w, a, _NT, preferred_element_type=_F32)
+        row_scale = None if row_scale is None else row_scale[None, :]
+    else:
+        d = jax.lax.dot_general(a, w, _NT, preferred_element_type=_F32)
+        row_scale = None if row_scale is None else row_scale[:, None]
+    if scale is not None:
+        d = d * scale
+    return d if row_scale is None else d * row_scale
+
+
 def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu_ref, *rest, top_k, bm, bn, bk,
-                    n_k, sblock, fp8, swap_ab, cdt):
+                    n_k, sblock, fp8, swap_ab, cdt, act_fp8):
     if fp8:
         sg_ref, su_ref, act_ref = rest
     else:
@@ -66,21 +94,21 @@ def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu
         tok = jnp.where(r < nrows, pair // top_k, 0)  # padding rows read token 0; they are never stored downstream
         n0 = pl.multiple_of(n * bn, bn)
 
-        def mm(xt, w):  # swap_ab: W tile as the M side ([bn, bm] = W . x^T), as tokamax's sm90 quant kernel does
-            if swap_ab:
-                return jax.lax.dot_general(w, xt, _NT, preferred_element_type=_F32)
-            return jax.lax.dot_general(xt, w, _NT, preferred_element_type=_F32)
-
         def body(i, carry):
             accg, accu = carry
             k0 = pl.multiple_of(i * bk, bk)
             xt = x_ref[tok, pl.ds(k0, bk)].astype(cdt)
-            wg = wg_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(cdt)
-            wu = wu_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(cdt)
-            dg, du = mm(xt, wg), mm(xt, wu)
-            if fp8:
-                dg = dg * sg_ref[e, n0 // sblock[0], k0 // sblock[1]]
-                du = du * su_ref[e, n0 // sblock[0], k0 // sblock[1]]
+            wg = wg_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
+            wu = wu_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
+            if not act_fp8:
+                wg, wu = wg.astype(cdt), wu.astype(cdt)
+            sg = sg_ref[e, n0 // sblock[0], k0 // sblock[1]] if fp8 else None
+            su = su_ref[e, n0 // sblock[0], k0 // sblock[1]] if fp8 else None
+            xs = None
+            if act_fp8:  # one quantised x tile for both GEMMs
+                xt, xs = quantize_rows_fp8(xt)
+            dg = _scaled_dot(xt, wg, sg, xs, swap_ab=swap_ab)
+            du = _scaled_dot(xt, wu, su, xs, swap_ab=swap_ab)
             return accg + dg, accu + du
 
         z = jnp.zeros((bn, bm) if swap_ab else (bm, bn), _F32)
@@ -92,19 +120,22 @@ def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu
 
 
 def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int, cfg: TritonMoeConfig, *,
-                           interpret: bool = False):
-    """act [num_blocks * block_m, I] (bf16) = silu(x W_gate^T) * (x W_up^T) for every scheduled row; pad rows junk."""
+                           act_fp8: bool = False, interpret: bool = False):
+    """act [num_blocks * block_m, I] (bf16) = silu(x W_gate^T) * (x W_up^T) for every scheduled row; pad rows junk.
+    act_fp8: x quantised per (row, 128 columns) and an FP8 x FP8 GEMM (W8A8)."""
     T, H = x.shape
     E, I, _ = w.gate.shape
     bm, bn, bk = sched.block_m, min(cfg.gu_block_n, I), min(cfg.gu_block_k, H)
     if w.is_fp8:
         _check_fp8_tile(w, bn, bk, "gate/up")
+    if act_fp8:
+        _check_act_fp8(w, bk, "gate/up")
     nb = sched.num_blocks
     # FP8 -> f16 is one hardware convert on sm90 (-> bf16 is not); the gate/up input x is the RMS-normed hidden state,
     # far inside f16 range, so `gu_f16` computes this GEMM in f16 (more mantissa than bf16) when the weights are FP8.
-    cdt = jnp.float16 if (cfg.gu_f16 and w.is_fp8) else jnp.bfloat16
+    cdt = jnp.float16 if (cfg.gu_f16 and w.is_fp8 and not act_fp8) else jnp.bfloat16
     kernel = functools.partial(_gate_up_kernel, top_k=top_k, bm=bm, bn=bn, bk=bk, n_k=H // bk, sblock=w.block,
-                               fp8=w.is_fp8, swap_ab=cfg.swap_ab, cdt=cdt)
+                               fp8=w.is_fp8, swap_ab=cfg.swap_ab, cdt=cdt, act_fp8=act_fp8)
     args = [sched.block_expert, sched.block_row0, sched.block_rows, sched.order, x, w.gate, w.up]
     if w.is_fp8:
         args += [w.gate_scale, w.up_scale]
@@ -119,7 +150,7 @@ def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int
 
 
 def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_ref, *rest, bm, bn, bk, n_k, sblock,
-                 fp8, aliased, n_pairs, swap_ab):
+                 fp8, aliased, n_pairs, swap_ab, act_fp8):
     rest = list(rest)
     sd_ref = rest.pop(0) if fp8 else None
     if aliased:
@@ -145,14 +176,14 @@ def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_
         def body(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
             a = act_ref[pl.ds(a0, bm), pl.ds(k0, bk)]
-            wd = wd_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)].astype(a.dtype)
-            if swap_ab:
-                d = jax.lax.dot_general(wd, a, _NT, preferred_element_type=_F32)  # [bn, bm]
+            wd = wd_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
+            a_scale = None
+            if act_fp8:
+                a, a_scale = quantize_rows_fp8(a)
             else:
-                d = jax.lax.dot_general(a, wd, _NT, preferred_element_type=_F32)  # [bm, bn]
-            if fp8:
-                d = d * sd_ref[e, n0 // sblock[0], k0 // sblock[1]]
-            return acc + d
+                wd = wd.astype(a.dtype)
+            sd = sd_ref[e, n0 // sblock[0], k0 // sblock[1]] if fp8 else None
+            return acc + _scaled_dot(a, wd, sd, a_scale, swap_ab=swap_ab)
 
         acc = jax.lax.fori_loop(0, n_k, body, jnp.zeros((bn, bm) if swap_ab else (bm, bn), _F32))
         rw = jnp.where(valid, rw_ref[jnp.where(valid, pair, 0)], 0.0)
@@ -171,19 +202,21 @@ def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_
 
 
 def down_weighted_grouped(act, sched: BlockSchedule, router_w, w: ExpertWeights, cfg: TritonMoeConfig, *,
-                          out_dtype=jnp.bfloat16, y_init=None, interpret: bool = False):
+                          out_dtype=jnp.bfloat16, y_init=None, act_fp8: bool = False, interpret: bool = False):
     """y [T * k + block_m, H]: y[p] = router_w[p] * (act_row(p) W_down^T) for p < T * k; the last block_m rows are
     spare (never written on GPU). `y_init` (optional, same shape) is aliased to the output, so a poisoned buffer shows
-    any row the kernel failed to write."""
+    any row the kernel failed to write. act_fp8: act quantised per (row, 128 columns), FP8 x FP8 GEMM (W8A8)."""
     E, H, I = w.down.shape
     M = router_w.shape[0]
     bm, bn, bk = sched.block_m, min(cfg.dn_block_n, H), min(cfg.dn_block_k, I)
     if w.is_fp8:
         _check_fp8_tile(w, bn, bk, "down")
+    if act_fp8:
+        _check_act_fp8(w, bk, "down")
     nb = sched.num_blocks
     aliased = y_init is not None
     kernel = functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, n_k=I // bk, sblock=w.block, fp8=w.is_fp8,
-                               aliased=aliased, n_pairs=M, swap_ab=cfg.swap_ab)
+                               aliased=aliased, n_pairs=M, swap_ab=cfg.swap_ab, act_fp8=act_fp8)
     args = [sched.block_expert, sched.block_row0, sched.block_rows, sched.order, router_w.astype(_F32), act, w.down]
     if w.is_fp8:
         args.append(w.down_scale)
@@ -207,18 +240,21 @@ def _default_interpret() -> bool:
 
 
 def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, config: TritonMoeConfig | None = None,
-                              interpret: bool | None = None, y_init=None, return_y: bool = False):
+                              act_fp8: bool = False, interpret: bool | None = None, y_init=None,
+                              return_y: bool = False):
     """Routed-expert layer (see module doc). x [T, H]; topk_ids/topk_weights [T, k]; returns [T, H] in x.dtype.
 
+    act_fp8: W8A8 (FP8 weights only), with the W8A8 rows of the tuning table unless `config` is given.
     interpret=None runs the real kernel on GPU and Pallas interpret mode elsewhere."""
     T, H = x.shape
     k = topk_ids.shape[1]
-    cfg = config or pick(TRITON_TABLE, T * k, w.is_fp8)
+    cfg = config or pick(TRITON_TABLE, T * k, w.is_fp8, act_fp8)
     if interpret is None:
         interpret = _default_interpret()
     sched = expert_block_schedule(topk_ids, w.num_experts, cfg.block_m)
     xb = x.astype(jnp.bfloat16)
-    act = gate_up_swiglu_grouped(xb, sched, w, k, cfg, interpret=interpret)
-    y = down_weighted_grouped(act, sched, topk_weights.reshape(-1), w, cfg, y_init=y_init, interpret=interpret)
+    act = gate_up_swiglu_grouped(xb, sched, w, k, cfg, act_fp8=act_fp8, interpret=interpret)
+    y = down_weighted_grouped(act, sched, topk_weights.reshape(-1), w, cfg, y_init=y_init, act_fp8=act_fp8,
+                              interpret=interpret)
     out = jnp.sum(y[: T * k].reshape(T, k, H).astype(_F32), axis=1).astype(x.dtype)
     return (out, y) if return_y else out

@@ -1,5 +1,6 @@
-"""Block-size tables for the Pallas MoE backends, as data. Keyed by weight dtype, then by the number of (token, slot)
-pairs M = T * k: a list of (max_pairs, config) rows, the first row whose max_pairs >= M wins.
+"""Block-size tables for the Pallas MoE backends, as data. Keyed by weight dtype ("w8a8": FP8 weights and activations),
+then by the number of (token, slot) pairs M = T * k: a list of (max_pairs, config) rows, the first row whose
+max_pairs >= M wins.
 
 Values were measured for Drama 3 shapes (H 2048, I 512, E 256, top-8) on the H200; see experiments/results/moe_*.md.
 Decode (M <= 2048, T <= 256): weight-bandwidth bound, 16-row blocks and narrow N tiles so that ~8..256 touched experts
@@ -47,6 +48,13 @@ TRITON_TABLE: dict[str, list[tuple[int, dict]]] = {
         (1 << 62, dict(block_m=64, gu_block_n=128, gu_block_k=64, dn_block_n=128, dn_block_k=64, gu_warps=4,
                        gu_stages=4, dn_warps=4, dn_stages=4)),
     ],
+    # W8A8 (act_fp8): K tiles must be 128 (one activation scale group). Starting points (the FP8 decode tiles without
+    # f16; 128-wide K at prefill), to be replaced by the winners of experiments/moe_bench.py's w8a8 sweep.
+    "w8a8": [
+        (2048, dict(_DECODE_BF16, dn_block_n=32, dn_warps=2)),
+        (1 << 62, dict(block_m=64, gu_block_n=128, gu_block_k=128, dn_block_n=128, dn_block_k=128, gu_warps=4,
+                       gu_stages=3, dn_warps=4, dn_stages=3)),
+    ],
     "bf16": [
         (2048, _DECODE_BF16),
         (1 << 62, dict(block_m=128, gu_block_n=128, gu_block_k=64, dn_block_n=128, dn_block_k=64, gu_warps=8,
@@ -55,8 +63,9 @@ TRITON_TABLE: dict[str, list[tuple[int, dict]]] = {
 }
 
 
-def pick(table: dict[str, list[tuple[int, dict]]], num_pairs: int, fp8: bool, cls=TritonMoeConfig):
-    rows = table["fp8" if fp8 else "bf16"]
+def pick(table: dict[str, list[tuple[int, dict]]], num_pairs: int, fp8: bool, act_fp8: bool = False,
+         cls=TritonMoeConfig):
+    rows = table["w8a8" if act_fp8 else "fp8" if fp8 else "bf16"]
     for max_pairs, cfg in rows:
         if num_pairs <= max_pairs:
             return cls(**cfg)
