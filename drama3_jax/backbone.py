@@ -25,6 +25,7 @@ from drama3_jax.nn import (Embedding, Linear, RMSNorm, apply_rope_rotate_half, g
 from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, gdn_gates
 from kernels.moe import ExpertWeights, moe_experts
+from kernels.moe.tuning import W8A8_MAX_PAIRS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +35,8 @@ class Backends:
 
     moe_activations: "bf16" (W8A16: the checkpoint's math, FP8 weights dequantised) or "fp8" (W8A8: the routed experts'
     inputs quantised to e4m3 per token and 128 columns, FP8 x FP8 GEMMs; kernels/moe/quant.py). Applies to FP8
-    expert weights only, on the "reference" and Pallas MoE backends."""
+    expert weights only, on the "reference" and Pallas MoE backends, and to calls of at most 256 tokens (decode; larger
+    prefill chunks keep bf16 activations, where W8A8 measured slower)."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
@@ -233,7 +235,9 @@ class SparseMoe(nnx.Module):
             ids, w = self.route(xf)
         with jax.named_scope("moe_experts"):
             weights = self.experts.weights()
-            options = {"act_fp8": True} if (act_fp8 and weights.is_fp8) else {}
+            # W8A8 only for decode-sized calls: it is slower than W8A16 at prefill sizes (kernels/moe/tuning.py)
+            w8a8 = act_fp8 and weights.is_fp8 and xf.shape[0] * self.top_k <= W8A8_MAX_PAIRS
+            options = {"act_fp8": True} if w8a8 else {}
             routed = moe_experts(xf, ids, w, weights, backend=backend, **options)
         with jax.named_scope("shared_expert"):
             shared = self.shared_expert(xf)

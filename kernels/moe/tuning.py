@@ -42,16 +42,19 @@ _DECODE_BF16 = dict(block_m=16, gu_block_n=64, gu_block_k=128, dn_block_n=128, d
                     dn_warps=4, dn_stages=4)
 TRITON_TABLE: dict[str, list[tuple[int, dict]]] = {
     "fp8": [
-        # down GEMM with 32-wide N tiles and 2 warps: 0.289 vs 0.2975 ms per layer at T=128 (H200, 2026-12-01, the
-        # one-knob sweep of experiments/moe_bench.py; every variant checked against the reference on the device)
-        (2048, dict(_DECODE_BF16, gu_f16=True, dn_block_n=32, dn_warps=2)),
+        # f16 gate/up with 3 stages: 0.2862 ms per layer at T=128, against 0.2982 with 4 stages and 0.2940 with the
+        # previous row (down N tiles of 32, 2 warps) (H200, 2026-12-01, the one-knob sweep of experiments/moe_bench.py
+        # in experiments/results/moe_w8a8_2026-12-01; every variant checked against the reference on the device)
+        (2048, dict(_DECODE_BF16, gu_f16=True, gu_stages=3)),
         (1 << 62, dict(block_m=64, gu_block_n=128, gu_block_k=64, dn_block_n=128, dn_block_k=64, gu_warps=4,
                        gu_stages=4, dn_warps=4, dn_stages=4)),
     ],
-    # W8A8 (act_fp8): K tiles must be 128 (one activation scale group). Starting points (the FP8 decode tiles without
-    # f16; 128-wide K at prefill), to be replaced by the winners of experiments/moe_bench.py's w8a8 sweep.
+    # W8A8 (act_fp8): K tiles must be 128 (one activation scale group). Decode: down N tiles of 128 with 4 warps,
+    # 0.2487 ms per layer at T=128 (76% of the FP8 roofline), against 0.2860 with 32-wide tiles and 2 warps (H200,
+    # 2026-12-01, experiments/results/moe_w8a8_2026-12-01). Prefill: the best of three (4.05 ms at T=8192, twice the
+    # W8A16 kernel's time), so the model uses W8A8 only up to W8A8_MAX_PAIRS.
     "w8a8": [
-        (2048, dict(_DECODE_BF16, dn_block_n=32, dn_warps=2)),
+        (2048, _DECODE_BF16),
         (1 << 62, dict(block_m=64, gu_block_n=128, gu_block_k=128, dn_block_n=128, dn_block_k=128, gu_warps=4,
                        gu_stages=3, dn_warps=4, dn_stages=3)),
     ],
@@ -61,6 +64,11 @@ TRITON_TABLE: dict[str, list[tuple[int, dict]]] = {
                        gu_stages=3, dn_warps=8, dn_stages=3)),
     ],
 }
+
+
+# W8A8 is faster than W8A16 at decode sizes (0.249 vs 0.286 ms at T=128) and slower at prefill (4.05 vs 2.02 ms at
+# T=8192, same run): the model quantises activations only for calls of at most this many (token, expert) pairs.
+W8A8_MAX_PAIRS = 2048
 
 
 def pick(table: dict[str, list[tuple[int, dict]]], num_pairs: int, fp8: bool, act_fp8: bool = False,
