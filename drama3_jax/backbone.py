@@ -25,6 +25,7 @@ from drama3_jax.nn import (Embedding, Linear, RMSNorm, apply_rope_rotate_half, g
 from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, gdn_gates
 from kernels.moe import ExpertWeights, moe_experts
+from kernels.moe.quant import ACT_GROUP
 from kernels.moe.tuning import W8A8_MAX_PAIRS
 
 
@@ -235,8 +236,12 @@ class SparseMoe(nnx.Module):
             ids, w = self.route(xf)
         with jax.named_scope("moe_experts"):
             weights = self.experts.weights()
-            # W8A8 only for decode-sized calls: it is slower than W8A16 at prefill sizes (kernels/moe/tuning.py)
-            w8a8 = act_fp8 and weights.is_fp8 and xf.shape[0] * self.top_k <= W8A8_MAX_PAIRS
+            # W8A8 only for decode-sized calls (it is slower than W8A16 at prefill sizes, kernels/moe/tuning.py) and
+            # where both GEMMs' K is whole 128-column groups in 128 x 128 weight blocks (not the tiny test models)
+            I = weights.down.shape[-1]
+            w8a8 = (act_fp8 and weights.is_fp8 and xf.shape[0] * self.top_k <= W8A8_MAX_PAIRS
+                    and weights.block == (ACT_GROUP, ACT_GROUP) and xf.shape[-1] % ACT_GROUP == 0
+                    and I % ACT_GROUP == 0)
             options = {"act_fp8": True} if w8a8 else {}
             routed = moe_experts(xf, ids, w, weights, backend=backend, **options)
         with jax.named_scope("shared_expert"):

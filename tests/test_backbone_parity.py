@@ -139,3 +139,23 @@ def test_router_weights_equal_softmax_then_top_k(jax_fp32, tiny_cfg):
     ref_w = np.take_along_axis(probs, ref_ids, -1)
     assert np.array_equal(np.asarray(ids), ref_ids)
     np.testing.assert_allclose(np.asarray(w), ref_w / ref_w.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+
+
+def test_moe_activations_option(jax_fp32, tiny_cfg):
+    """`moe_activations` is validated; on the tiny model (hidden 64: no whole 128-column groups) "fp8" falls back to
+    bf16 activations instead of failing, so `--moe-activations fp8` serves any checkpoint."""
+    import dataclasses
+
+    from drama3_jax.backbone import Backends
+
+    with pytest.raises(ValueError, match="moe_activations"):
+        Backends(moe_activations="int8")
+    rows = jnp.asarray(random_rows(tiny_cfg, 2, 9, seed=5, semantic_from=4))
+    lengths = jnp.asarray([9, 7], jnp.int32)
+    out = []
+    for b in (Backends(), dataclasses.replace(Backends(), moe_activations="fp8")):
+        cache = init_cache(jax_fp32.cfg.text, 2, 32, jnp.float32)
+        h, _ = jax_fp32.forward(rows, cache, lengths, fresh=True, backends=b)
+        out.append(np.asarray(h))
+    assert np.isfinite(out[0]).all()
+    np.testing.assert_array_equal(out[0], out[1])
