@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels.moe.quant import FP8_MAX
 from kernels.moe.weights import ExpertWeights
 
 
@@ -18,7 +19,7 @@ def quantize_fp8_blocks(w, key, block=(128, 128)):
     wp = jnp.pad(w, ((0, 0), (0, po - o), (0, pi - i)))
     blocks = wp.reshape(E, po // b0, b0, pi // b1, b1)
     amax = jnp.max(jnp.abs(blocks), axis=(2, 4))
-    s = amax / 448.0 * jax.random.uniform(key, amax.shape, minval=1.0, maxval=1.5)
+    s = amax / FP8_MAX * jax.random.uniform(key, amax.shape, minval=1.0, maxval=1.5)
     sf = jnp.repeat(jnp.repeat(s, b0, axis=1), b1, axis=2)[:, :o, :i]
     q = (w / sf).astype(jnp.float8_e4m3fn)
     return q, s.astype(jnp.float32)
