@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import gc
 import logging
 import math
@@ -111,13 +112,30 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
 }
 
 
+def config_name(name: str) -> str:
+    """argparse type of --configs: a row of CONFIGS, or rows joined by '+' (their changes applied in that order)."""
+    unknown = [part for part in name.split("+") if part not in CONFIGS or part == "full"]
+    if unknown and name != "full":
+        raise argparse.ArgumentTypeError(f"unknown configuration {unknown[0]!r} in {name!r}; choose from "
+                                         + ", ".join(CONFIGS) + " (or join rows other than 'full' with '+')")
+    return name
+
+
+def config_change(name: str) -> tuple[str, Callable[[EngineConfig], EngineConfig]]:
+    """(what is switched off, the change) of a --configs entry; 'a+b' composes the rows' changes."""
+    parts = [CONFIGS[part] for part in name.split("+")]
+    if len(parts) == 1:
+        return parts[0]
+    return "; ".join(off for off, _ in parts), functools.reduce(lambda f, g: lambda c: g(f(c)), (ch for _, ch in parts))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", choices=["full", "tiny"], default="full",
                     help="full: full-size random-weight model built on the device; tiny: the embedded smoke model")
-    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
-                    help="configurations to run, in this order")
+    ap.add_argument("--configs", nargs="+", type=config_name, default=list(CONFIGS),
+                    help="configurations to run, in this order; 'a+b' applies the changes of rows a and b together")
     ap.add_argument("--streams", type=int, default=128, help="concurrency C = engine slots (except in the pool_* rows)")
     ap.add_argument("--requests", type=int, default=None, help="requests per timed round (default: --streams)")
     ap.add_argument("--rounds", type=int, default=1)
@@ -388,7 +406,7 @@ def main(argv=None):
     # (a known failure mode, jax-ml/jax#40260), which would take the configurations after it down too
     profiled = {"full_profiled": ("nothing; profiled for the GPU time split, figures not for comparison", lambda c: c)}
     for name in list(args.configs) + (list(profiled) if args.trace_s else []):
-        off, change = {**CONFIGS, **profiled}[name]
+        off, change = profiled[name] if name in profiled else config_change(name)
         cfg = change(base)
         row = {"name": name, "off": off, "change": changes(cfg, base), "engine_config": dataclasses.asdict(cfg)}
         result["rows"].append(row)

@@ -43,3 +43,26 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
     assert 0 < trace["busy_share"] <= 1 and trace["kernels"] > 0
     assert trace["module_ms_per_s"]["jit_decode_step"] > 0 and "jit_prefill_step" in trace["module_ms_per_s"]
     assert "by jitted module" in table and not any("trace" in rows[n] for n in ("full", "sync_tick"))
+
+
+def test_config_rows_compose():
+    """'a+b' applies both rows' changes; 'full' and unknown names cannot be joined."""
+    import argparse
+    import dataclasses
+
+    import pytest
+
+    from experiments.ablate import config_change, config_name
+    from serving.engine import EngineConfig
+
+    base = EngineConfig(max_streams=8)
+    off, change = config_change(config_name("prefill_chunk_256+prefill_batch_8+moe_w8a8"))
+    cfg = change(base)
+    assert (cfg.prefill_chunk, cfg.prefill_batch_sizes, cfg.backends.moe_activations) == (256, (1, 4, 8), "fp8")
+    assert cfg == dataclasses.replace(base, prefill_chunk=256, prefill_batch_sizes=(1, 4, 8),
+                                      backends=dataclasses.replace(base.backends, moe_activations="fp8"))
+    assert off.count(";") == 2 and "256-row" in off
+    assert config_change(config_name("full"))[1](base) == base
+    for bad in ("full+moe_w8a8", "moe_w8a8+nope", "nope"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            config_name(bad)
