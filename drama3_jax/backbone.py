@@ -22,6 +22,7 @@ from flax import nnx
 from drama3_jax.config import Drama3Config, TextConfig
 from drama3_jax.nn import (Embedding, Linear, RMSNorm, apply_rope_rotate_half, gated_cached_attention, rms_norm,
                            swiglu)
+from kernels.dense.api import linear
 from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, gdn_gates
 from kernels.moe import ExpertWeights, moe_experts
@@ -37,7 +38,10 @@ class Backends:
     moe_activations: "bf16" (W8A16: the checkpoint's math, FP8 weights dequantised) or "fp8" (W8A8: the routed experts'
     inputs quantised to e4m3 per token and 128 columns, FP8 x FP8 GEMMs; kernels/moe/quant.py). Applies to FP8
     expert weights only, on the "reference" and Pallas MoE backends, and to calls of at most 256 tokens (decode; larger
-    prefill chunks keep bf16 activations, where W8A8 measured slower)."""
+    prefill chunks keep bf16 activations, where W8A8 measured slower).
+
+    dense: the bf16 projections (kernels/dense/api.py); its Pallas kernel takes calls of at most 256 rows (decode),
+    larger ones stay on XLA's GEMM."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
@@ -45,6 +49,7 @@ class Backends:
     attention: str = "reference"
     sampling: str = "reference"
     moe_activations: str = "bf16"
+    dense: str = "reference"
 
     def __post_init__(self):
         if self.moe_activations not in ("bf16", "fp8"):
@@ -104,20 +109,21 @@ class GatedAttention(nnx.Module):
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
         self.cfg = cfg
 
-    def __call__(self, x, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str):
+    def __call__(self, x, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
+                 dense: str = "reference"):
         cfg = self.cfg
         B, T, _ = x.shape
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg = self.q_proj(x).reshape(B, T, nh, 2 * hd)
+        qg = self.q_proj(x, dense).reshape(B, T, nh, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).reshape(B, T, nkv, hd))
-        v = self.v_proj(x).reshape(B, T, nkv, hd)
+        k = self.k_norm(self.k_proj(x, dense).reshape(B, T, nkv, hd))
+        v = self.v_proj(x, dense).reshape(B, T, nkv, hd)
         q = apply_rope_rotate_half(q, positions, cfg.rotary_dim, cfg.rope_theta)
         k = apply_rope_rotate_half(k, positions, cfg.rotary_dim, cfg.rope_theta)
         o, k_cache, v_cache = gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, new_lengths,
                                                      fresh=fresh, backend=backend)
-        return self.o_proj(o), k_cache, v_cache
+        return self.o_proj(o, dense), k_cache, v_cache
 
 
 class GatedDeltaNet(nnx.Module):
@@ -144,10 +150,10 @@ class GatedDeltaNet(nnx.Module):
         hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                           cfg.linear_value_head_dim)
         kd = hk * dk
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x).reshape(B, T, hv, dv)
-        b = self.in_proj_b(x)
-        a = self.in_proj_a(x)
+        mixed = self.in_proj_qkv(x, backends.dense)
+        z = self.in_proj_z(x, backends.dense).reshape(B, T, hv, dv)
+        b = self.in_proj_b(x, backends.dense)
+        a = self.in_proj_a(x, backends.dense)
         conv_w = self.conv1d.weight[...][:, 0, :]
         with jax.named_scope("gdn_core"):  # profile category (experiments/decode_profile.py)
             if decode:
@@ -167,7 +173,7 @@ class GatedDeltaNet(nnx.Module):
                 ssm_state = new_state.astype(ssm_state.dtype)
         o = rms_norm(o, self.norm.weight[...], cfg.rms_norm_eps, zero_centered=False, out_dtype=jnp.float32)
         o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, hv * dv)
-        return self.out_proj(o), conv_state, ssm_state
+        return self.out_proj(o, backends.dense), conv_state, ssm_state
 
 
 class ExpertProj(nnx.Module):
@@ -204,8 +210,8 @@ class MLP(nnx.Module):
         self.up_proj = Linear(hidden, inter, dtype=dtype)
         self.down_proj = Linear(inter, hidden, dtype=dtype)
 
-    def __call__(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+    def __call__(self, x, dense: str = "reference"):
+        return self.down_proj(swiglu(self.gate_proj(x, dense), self.up_proj(x, dense)), dense)
 
 
 class SparseMoe(nnx.Module):
@@ -218,22 +224,21 @@ class SparseMoe(nnx.Module):
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype=dtype)
         self.top_k = cfg.num_experts_per_tok
 
-    def route(self, x):
+    def route(self, x, dense: str = "reference"):
         """x [N, H] -> (topk_ids [N, k] int32, topk_weights [N, k] fp32)."""
         # bf16 x bf16 products are exact in fp32 and accumulate in fp32: the fp32 router math without an fp32 copy of
         # the router weights per call
-        w = self.gate.weight[...]
-        logits = jax.lax.dot_general(x.astype(w.dtype), w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        logits = linear(x, self.gate.weight[...], backend=dense, out_dtype=jnp.float32)
         # softmax is monotonic and renormalising the top-k probabilities cancels the full softmax's denominator, so
         # top-k of the logits and a softmax over those k give the reference's weights without a [N, E] softmax
         top, ids = jax.lax.top_k(logits, self.top_k)
         return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
 
-    def __call__(self, x, *, backend: str, act_fp8: bool = False):
+    def __call__(self, x, *, backend: str, act_fp8: bool = False, dense: str = "reference"):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         with jax.named_scope("router"):
-            ids, w = self.route(xf)
+            ids, w = self.route(xf, dense)
         with jax.named_scope("moe_experts"):
             weights = self.experts.weights()
             # W8A8 only for decode-sized calls (it is slower than W8A16 at prefill sizes, kernels/moe/tuning.py) and
@@ -245,8 +250,8 @@ class SparseMoe(nnx.Module):
             options = {"act_fp8": True} if w8a8 else {}
             routed = moe_experts(xf, ids, w, weights, backend=backend, **options)
         with jax.named_scope("shared_expert"):
-            shared = self.shared_expert(xf)
-            sg = jax.nn.sigmoid(self.shared_expert_gate(xf).astype(jnp.float32))
+            shared = self.shared_expert(xf, dense)
+            sg = jax.nn.sigmoid(self.shared_expert_gate(xf, dense).astype(jnp.float32))
         out = routed.astype(jnp.float32) + sg * shared.astype(jnp.float32)
         return out.astype(x.dtype).reshape(shape)
 
@@ -319,7 +324,7 @@ class Drama3Backbone(nnx.Module):
             h = layer.input_layernorm(x)
             if layer.layer_type == "full_attention":
                 h, ks[fi], vs[fi] = layer.self_attn(h, positions, ks[fi], vs[fi], start, new_lengths, fresh=fresh,
-                                                    backend=backends.attention)
+                                                    backend=backends.attention, dense=backends.dense)
                 fi += 1
             else:
                 h, convs[li], ssms[li] = layer.linear_attn(h, convs[li], ssms[li], new_lengths, decode=(T == 1),
@@ -327,7 +332,7 @@ class Drama3Backbone(nnx.Module):
                 li += 1
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x), backend=backends.moe,
-                              act_fp8=backends.moe_activations == "fp8")
+                              act_fp8=backends.moe_activations == "fp8", dense=backends.dense)
         x = self.model.language_model.norm(x)
         return x, BackboneCache(k=ks, v=vs, conv=convs, ssm=ssms,
                                 lengths=cache.lengths.at[:B].set(start + new_lengths.astype(jnp.int32)))

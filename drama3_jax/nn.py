@@ -15,17 +15,18 @@ import numpy as np
 from flax import nnx
 
 from kernels.attention import attention
+from kernels.dense.api import linear
 
 
 class Linear(nnx.Module):
-    """y = x @ weight.T, with `weight` [out, in] exactly as the checkpoint stores it (no bias)."""
+    """y = x @ weight.T, with `weight` [out, in] exactly as the checkpoint stores it (no bias). `dense` picks the
+    implementation (kernels/dense/api.py: XLA's GEMM, or the Pallas kernel for decode-sized calls)."""
 
     def __init__(self, in_features: int, out_features: int, *, dtype=jnp.bfloat16):
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.weight[...]
-        return jax.lax.dot_general(x.astype(w.dtype), w, (((x.ndim - 1,), (1,)), ((), ())))
+    def __call__(self, x: jax.Array, dense: str = "reference") -> jax.Array:
+        return linear(x, self.weight[...], backend=dense)
 
 
 class Embedding(nnx.Module):

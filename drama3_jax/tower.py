@@ -51,11 +51,12 @@ class TowerAttention(nnx.Module):
         self.k_norm = RMSNorm(hd, cfg.norm_eps, dtype=dtype)
         self.cfg = cfg
 
-    def __call__(self, x, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str):
+    def __call__(self, x, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
+                 dense: str = "reference"):
         cfg = self.cfg
         B, T, _ = x.shape
         nh, nkv, hd = cfg.n_head, cfg.n_local_heads, cfg.head_dim
-        qkv = self.wqkv(x)
+        qkv = self.wqkv(x, dense)
         q = qkv[..., :nh * hd].reshape(B, T, nh, hd)
         gate = qkv[..., nh * hd:2 * nh * hd]
         k = qkv[..., 2 * nh * hd:2 * nh * hd + nkv * hd].reshape(B, T, nkv, hd)
@@ -64,7 +65,7 @@ class TowerAttention(nnx.Module):
         k = apply_rope_interleaved(self.k_norm(k), positions, cfg.rotary_dim, cfg.rope_base)
         o, k_cache, v_cache = gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, new_lengths,
                                                      fresh=fresh, backend=backend)
-        return self.wo(o), k_cache, v_cache
+        return self.wo(o, dense), k_cache, v_cache
 
 
 class FeedForward(nnx.Module):
@@ -73,8 +74,8 @@ class FeedForward(nnx.Module):
         self.w3 = Linear(cfg.dim, cfg.intermediate_size, dtype=dtype)
         self.w2 = Linear(cfg.intermediate_size, cfg.dim, dtype=dtype)
 
-    def __call__(self, x):
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+    def __call__(self, x, dense: str = "reference"):
+        return self.w2(swiglu(self.w1(x, dense), self.w3(x, dense)), dense)
 
 
 class TransformerLayer(nnx.Module):
@@ -102,13 +103,14 @@ class MTPLayer(nnx.Module):
         e = getattr(self, self.embedding_name)(codes).astype(jnp.float32) * label_sem[..., None]
         return e if extra is None else e + extra
 
-    def __call__(self, h, e, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str):
+    def __call__(self, h, e, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
+                 dense: str = "reference"):
         t = self.transformer_layer
-        m = self.eh_proj(jnp.concatenate([self.enorm(e.astype(h.dtype)), self.hnorm(h)], axis=-1))
+        m = self.eh_proj(jnp.concatenate([self.enorm(e.astype(h.dtype)), self.hnorm(h)], axis=-1), dense)
         o, k_cache, v_cache = t.attention(t.attention_norm(m), positions, k_cache, v_cache, start, new_lengths,
-                                          fresh=fresh, backend=backend)
+                                          fresh=fresh, backend=backend, dense=dense)
         a = m + o
-        f = a + t.feed_forward(t.ffn_norm(a))
+        f = a + t.feed_forward(t.ffn_norm(a), dense)
         return self.final_layernorm(f), k_cache, v_cache
 
 
@@ -129,13 +131,14 @@ CodeChooser = Callable[[int, jax.Array], jax.Array]
 
 def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h, c0, label_sem, extra,
               cache: TowerCache, new_lengths, choose_code: CodeChooser, *, fresh: bool, backend: str = "reference",
-              compute_heads: bool = True):
+              compute_heads: bool = True, dense: str = "reference"):
     """Run the 13 tower layers at positions cache.lengths + t.
 
     h [B, T, dim] backbone final-norm hidden of rows t; c0 [B, T] semantic code of the predicted frame;
     label_sem [B, T] bool (predicted frame is semantic); extra [B, T, dim] fp32 (input-row codebooks the backbone did
     not see). `choose_code(i, logits_i)` gives code c_{i+1} (teacher label or a sample). Returns
-    (codes [B, T, K-1] int32 = c1..c9, head logits [B, T, K-1, V] fp32 or None, updated cache)."""
+    (codes [B, T, K-1] int32 = c1..c9, head logits [B, T, K-1, V] fp32 or None, updated cache). `backend` is the
+    attention backend, `dense` the projections' (kernels/dense)."""
     B, T, _ = h.shape
     start = cache.lengths[:B]  # the cache may be a slot pool with more rows (see Drama3Backbone.forward)
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -144,15 +147,16 @@ def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h,
     x = h
     for j, layer in enumerate(shared.layers):
         e = layer.embed(c0, sem, extra if j == 0 else None)
-        x, ks[j], vs[j] = layer(x, e, positions, ks[j], vs[j], start, new_lengths, fresh=fresh, backend=backend)
+        x, ks[j], vs[j] = layer(x, e, positions, ks[j], vs[j], start, new_lengths, fresh=fresh, backend=backend,
+                                dense=dense)
     code = c0
     codes, logits = [], []
     n = cfg.n_layer
     for i, (layer, head) in enumerate(zip(residual.layers, residual.heads)):
         x, ks[n + i], vs[n + i] = layer(x, layer.embed(code, sem), positions, ks[n + i], vs[n + i], start,
-                                        new_lengths, fresh=fresh, backend=backend)
+                                        new_lengths, fresh=fresh, backend=backend, dense=dense)
         with jax.named_scope("tower_heads"):
-            li = head(x).astype(jnp.float32) if compute_heads else None
+            li = head(x, dense).astype(jnp.float32) if compute_heads else None
         code = choose_code(i, li).astype(jnp.int32)
         codes.append(code)
         if compute_heads:

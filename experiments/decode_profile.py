@@ -50,6 +50,8 @@ VARIANTS = {  # name -> (backends, GDN state dtype)
     "pallas_bf16": (Backends.auto(), "bfloat16"),
     "pallas_bf16_ref_attention": (dataclasses.replace(Backends.auto(), attention="reference"), "bfloat16"),
     "pallas_bf16_w8a8": (dataclasses.replace(Backends.auto(), moe_activations="fp8"), "bfloat16"),
+    "pallas_bf16_dense": (dataclasses.replace(Backends.auto(), dense="auto"), "bfloat16"),
+    "pallas_bf16_w8a8_dense": (dataclasses.replace(Backends.auto(), moe_activations="fp8", dense="auto"), "bfloat16"),
 }
 # profile categories, first match wins, on the op_name path of each kernel's HLO instruction
 CATEGORIES = ("sampling", "attention_core", "kv_write", "gdn_core", "moe_experts", "router", "shared_expert",

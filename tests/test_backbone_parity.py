@@ -159,3 +159,35 @@ def test_moe_activations_option(jax_fp32, tiny_cfg):
         out.append(np.asarray(h))
     assert np.isfinite(out[0]).all()
     np.testing.assert_array_equal(out[0], out[1])
+
+
+def test_dense_backend_in_the_model(jax_fp32, tiny_cfg, monkeypatch):
+    """Backends(dense="pallas") runs every projection of the tiny model whose shape fits (small tiles patched into
+    the table, Pallas interpret mode) and gives the reference's hidden states, prefill and one decode step."""
+    import dataclasses
+
+    from drama3_jax.backbone import Backends
+    from kernels.dense import tuning
+    from kernels.dense import pallas_triton
+
+    small = tuning.DenseConfig(block_n=16, block_k=16, split_k=2)
+    monkeypatch.setattr(tuning, "TABLE", ((0, small),))
+    calls = []
+    real = pallas_triton.linear_pallas_triton
+    monkeypatch.setattr("kernels.dense.api.linear_pallas_triton",
+                        lambda x, w, **kw: calls.append(w.shape) or real(x, w, **kw))
+    rows = jnp.asarray(random_rows(tiny_cfg, 2, 9, seed=6, semantic_from=4))
+    lengths = jnp.asarray([9, 6], jnp.int32)
+    out = []
+    for b in (Backends(), dataclasses.replace(Backends(), dense="pallas")):
+        cache = init_cache(jax_fp32.cfg.text, 2, 32, jnp.float32)
+        h, cache = jax_fp32.forward(rows, cache, lengths, fresh=True, backends=b)
+        h1, _ = jax_fp32.forward(rows[:, :1], cache, jnp.ones((2,), jnp.int32), backends=b)
+        out.append((np.asarray(h), np.asarray(h1)))
+    t = jax_fp32.cfg.text
+    assert (t.linear_conv_dim, t.hidden_size) in calls  # GDN
+    assert (t.num_attention_heads * t.head_dim * 2, t.hidden_size) in calls  # attention
+    assert (t.shared_expert_intermediate_size, t.hidden_size) in calls  # shared expert
+    for ref, got in zip(*out):
+        assert np.isfinite(ref).all()
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
