@@ -29,8 +29,8 @@ def lower_for_h200(fn, *args, donate=()) -> str:
         return jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def capture_ttir(fn, *args) -> str:
-    """Triton-dialect module text of the last Pallas kernel that lowering `fn(*args)` for an H200 produces."""
+def capture_ttirs(fn, *args) -> list[str]:
+    """Triton-dialect module texts of every Pallas kernel that lowering `fn(*args)` for an H200 produces, in order."""
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     captured = []
@@ -46,7 +46,12 @@ def capture_ttir(fn, *args) -> str:
         lower_for_h200(fn, *args)
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = orig
-    return captured[-1]
+    return captured
+
+
+def capture_ttir(fn, *args) -> str:
+    """Triton-dialect module text of the last Pallas kernel that lowering `fn(*args)` for an H200 produces."""
+    return capture_ttirs(fn, *args)[-1]
 
 
 def compile_ttir(ttir: str, num_warps: int, num_stages: int) -> tuple[dict, str]:

@@ -14,9 +14,14 @@ converted to bf16 in registers and fed to a bf16 x bf16 -> fp32 dot (W8A16); as 
 of vLLM's block-FP8 fused_moe and DeepGEMM). N tiles are the fastest grid axis, so the programs that share a block's
 activations run together and an expert's weight tiles are read from HBM once per step in decode.
 
-W8A8 (`act_fp8=True`, FP8 weights): each [rows, 128] activation tile is quantised to e4m3 in registers, one scale per
-row (kernels/moe/quant.py), and fed with the FP8 weight tile, as loaded, to an FP8 x FP8 -> fp32 dot; the partial
-product of each K step is scaled by row scale x block scale. No weight conversion at all, and the FP8 tensor-core rate.
+W8A8 (`act_fp8=True`, FP8 weights): activations are e4m3 with one fp32 scale per (row, 128 columns)
+(kernels/moe/quant.py) and meet the FP8 weight tile, as loaded, in an FP8 x FP8 -> fp32 dot; the partial product of
+each K step is scaled by row scale x block scale. No weight conversion at all, and the FP8 tensor-core rate. Where the
+quantisation happens is a config choice (`prequant`), the math is the same: in registers, per [rows, 128] tile inside
+each K loop (every N tile of a block quantises the block's rows again: cheap for 16-row decode blocks), or once
+outside: x quantised by one XLA op before the gate/up kernel, and the SwiGLU output quantised in the gate/up epilogue
+(one 128-column group per N tile) and stored as e4m3 + scales, so both K loops are pure FP8 loads and dots (the
+layout of DeepSeek-V3's FP8 recipe, and of vLLM's block-FP8 fused_moe with per-token-group quantisation).
 
 Options (TritonMoeConfig, chosen per regime in kernels/moe/tuning.py from H200 sweeps): `gu_f16` runs the gate/up GEMM in
 f16 when the weights are FP8 (e4m3 -> f16 is a single convert on sm90, -> bf16 is not; assumes |x| < 65504, true for the
@@ -37,10 +42,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels import triton_fp8
 from kernels.moe.quant import ACT_GROUP, quantize_rows_fp8
 from kernels.moe.routing import BlockSchedule, expert_block_schedule
 from kernels.moe.tuning import TRITON_TABLE, TritonMoeConfig, pick
 from kernels.moe.weights import ExpertWeights
+
+triton_fp8.enable()  # the W8A8 dots on wgmma (kernels/triton_fp8.py)
 
 _F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a [m, k] . b [n, k]^T
@@ -57,6 +65,22 @@ def _check_act_fp8(w: ExpertWeights, bk: int, what: str):
         raise ValueError(f"{what}: act_fp8 (W8A8) needs FP8 expert weights")
     if bk != ACT_GROUP:
         raise ValueError(f"{what}: act_fp8 needs K tiles of {ACT_GROUP} (one activation scale group), got bk={bk}")
+
+
+def _check_prequant(cfg: TritonMoeConfig, act_fp8: bool, gu_bn: int, scale) -> bool:
+    """Whether the pre-quantised W8A8 layout applies; raises on a config that cannot run it."""
+    if not cfg.prequant:
+        return False
+    if not act_fp8:
+        raise ValueError("prequant is a W8A8 layout: it needs act_fp8=True")
+    if cfg.swap_ab:
+        raise ValueError("prequant is not implemented for swap_ab")
+    if gu_bn != ACT_GROUP:
+        raise ValueError(f"prequant quantises the SwiGLU output per gate/up N tile: gu_block_n must be {ACT_GROUP}, "
+                         f"got {gu_bn}")
+    if scale is None:
+        raise ValueError("prequant needs the activation scales")
+    return True
 
 
 def _scaled_dot(a, w, scale, row_scale, *, swap_ab):
@@ -76,11 +100,12 @@ def _scaled_dot(a, w, scale, row_scale, *, swap_ab):
 
 
 def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu_ref, *rest, top_k, bm, bn, bk,
-                    n_k, sblock, fp8, swap_ab, cdt, act_fp8):
-    if fp8:
-        sg_ref, su_ref, act_ref = rest
-    else:
-        (act_ref,) = rest
+                    n_k, sblock, fp8, swap_ab, cdt, act_fp8, prequant):
+    rest = list(rest)
+    sg_ref, su_ref = (rest.pop(0), rest.pop(0)) if fp8 else (None, None)
+    xs_ref = rest.pop(0) if prequant else None
+    act_ref = rest.pop(0)
+    as_ref = rest.pop(0) if prequant else None
     n = pl.program_id(0)
     b = pl.program_id(1)
     e = expert_ref[b]
@@ -97,7 +122,7 @@ def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu
         def body(i, carry):
             accg, accu = carry
             k0 = pl.multiple_of(i * bk, bk)
-            xt = x_ref[tok, pl.ds(k0, bk)].astype(cdt)
+            xt = x_ref[tok, pl.ds(k0, bk)]
             wg = wg_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
             wu = wu_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
             if not act_fp8:
@@ -105,8 +130,12 @@ def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu
             sg = sg_ref[e, n0 // sblock[0], k0 // sblock[1]] if fp8 else None
             su = su_ref[e, n0 // sblock[0], k0 // sblock[1]] if fp8 else None
             xs = None
-            if act_fp8:  # one quantised x tile for both GEMMs
-                xt, xs = quantize_rows_fp8(xt)
+            if prequant:  # x is e4m3 already: this K step's scale group of each row
+                xs = xs_ref[tok, i]
+            elif act_fp8:  # one quantised x tile for both GEMMs
+                xt, xs = quantize_rows_fp8(xt.astype(cdt))
+            else:
+                xt = xt.astype(cdt)
             dg = _scaled_dot(xt, wg, sg, xs, swap_ab=swap_ab)
             du = _scaled_dot(xt, wu, su, xs, swap_ab=swap_ab)
             return accg + dg, accu + du
@@ -116,13 +145,20 @@ def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu
         act = accg / (1.0 + jnp.exp(-accg)) * accu
         if swap_ab:
             act = act.T
-        act_ref[pl.ds(b * bm, bm), pl.ds(n0, bn)] = act.astype(act_ref.dtype)
+        if prequant:  # this N tile is one scale group: e4m3 rows + one scale per row, from the bf16-rounded value
+            q, qs = quantize_rows_fp8(act.astype(jnp.bfloat16))
+            act_ref[pl.ds(b * bm, bm), pl.ds(n0, bn)] = q
+            as_ref[n, pl.ds(b * bm, bm)] = qs
+        else:
+            act_ref[pl.ds(b * bm, bm), pl.ds(n0, bn)] = act.astype(act_ref.dtype)
 
 
 def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int, cfg: TritonMoeConfig, *,
-                           act_fp8: bool = False, interpret: bool = False):
+                           act_fp8: bool = False, x_scale=None, interpret: bool = False):
     """act [num_blocks * block_m, I] (bf16) = silu(x W_gate^T) * (x W_up^T) for every scheduled row; pad rows junk.
-    act_fp8: x quantised per (row, 128 columns) and an FP8 x FP8 GEMM (W8A8)."""
+    act_fp8: x quantised per (row, 128 columns) and an FP8 x FP8 GEMM (W8A8).
+    cfg.prequant (W8A8): x is e4m3 with `x_scale` [T, H / 128] fp32, and the result is (act e4m3 [num_blocks * block_m,
+    I], act_scale [I / 128, num_blocks * block_m] fp32), quantised per (row, 128 columns) from its bf16 rounding."""
     T, H = x.shape
     E, I, _ = w.gate.shape
     bm, bn, bk = sched.block_m, min(cfg.gu_block_n, I), min(cfg.gu_block_k, H)
@@ -130,18 +166,24 @@ def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int
         _check_fp8_tile(w, bn, bk, "gate/up")
     if act_fp8:
         _check_act_fp8(w, bk, "gate/up")
+    prequant = _check_prequant(cfg, act_fp8, bn, x_scale)
     nb = sched.num_blocks
     # FP8 -> f16 is one hardware convert on sm90 (-> bf16 is not); the gate/up input x is the RMS-normed hidden state,
     # far inside f16 range, so `gu_f16` computes this GEMM in f16 (more mantissa than bf16) when the weights are FP8.
     cdt = jnp.float16 if (cfg.gu_f16 and w.is_fp8 and not act_fp8) else jnp.bfloat16
     kernel = functools.partial(_gate_up_kernel, top_k=top_k, bm=bm, bn=bn, bk=bk, n_k=H // bk, sblock=w.block,
-                               fp8=w.is_fp8, swap_ab=cfg.swap_ab, cdt=cdt, act_fp8=act_fp8)
+                               fp8=w.is_fp8, swap_ab=cfg.swap_ab, cdt=cdt, act_fp8=act_fp8, prequant=prequant)
     args = [sched.block_expert, sched.block_row0, sched.block_rows, sched.order, x, w.gate, w.up]
     if w.is_fp8:
         args += [w.gate_scale, w.up_scale]
+    out_shape = jax.ShapeDtypeStruct((nb * bm, I), jnp.bfloat16)
+    if prequant:
+        args.append(x_scale.astype(_F32))
+        out_shape = (jax.ShapeDtypeStruct((nb * bm, I), jnp.float8_e4m3fn),
+                     jax.ShapeDtypeStruct((I // ACT_GROUP, nb * bm), _F32))
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((nb * bm, I), x.dtype),
+        out_shape=out_shape,
         grid=(I // bn, nb),
         compiler_params=plt.CompilerParams(num_warps=cfg.gu_warps, num_stages=cfg.gu_stages),
         interpret=interpret,
@@ -150,9 +192,10 @@ def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int
 
 
 def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_ref, *rest, bm, bn, bk, n_k, sblock,
-                 fp8, aliased, n_pairs, swap_ab, act_fp8):
+                 fp8, aliased, n_pairs, swap_ab, act_fp8, prequant):
     rest = list(rest)
     sd_ref = rest.pop(0) if fp8 else None
+    as_ref = rest.pop(0) if prequant else None
     if aliased:
         rest.pop(0)  # the poisoned/initial y, aliased to the output
     (y_ref,) = rest
@@ -178,7 +221,9 @@ def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_
             a = act_ref[pl.ds(a0, bm), pl.ds(k0, bk)]
             wd = wd_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
             a_scale = None
-            if act_fp8:
+            if prequant:  # e4m3 rows from the gate/up epilogue; this K step's scale group
+                a_scale = as_ref[i, pl.ds(a0, bm)]
+            elif act_fp8:
                 a, a_scale = quantize_rows_fp8(a)
             else:
                 wd = wd.astype(a.dtype)
@@ -202,10 +247,12 @@ def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_
 
 
 def down_weighted_grouped(act, sched: BlockSchedule, router_w, w: ExpertWeights, cfg: TritonMoeConfig, *,
-                          out_dtype=jnp.bfloat16, y_init=None, act_fp8: bool = False, interpret: bool = False):
+                          out_dtype=jnp.bfloat16, y_init=None, act_fp8: bool = False, act_scale=None,
+                          interpret: bool = False):
     """y [T * k + block_m, H]: y[p] = router_w[p] * (act_row(p) W_down^T) for p < T * k; the last block_m rows are
     spare (never written on GPU). `y_init` (optional, same shape) is aliased to the output, so a poisoned buffer shows
-    any row the kernel failed to write. act_fp8: act quantised per (row, 128 columns), FP8 x FP8 GEMM (W8A8)."""
+    any row the kernel failed to write. act_fp8: act quantised per (row, 128 columns), FP8 x FP8 GEMM (W8A8);
+    with cfg.prequant, act is e4m3 already with `act_scale` [I / 128, rows] (gate_up_swiglu_grouped's output)."""
     E, H, I = w.down.shape
     M = router_w.shape[0]
     bm, bn, bk = sched.block_m, min(cfg.dn_block_n, H), min(cfg.dn_block_k, I)
@@ -213,13 +260,16 @@ def down_weighted_grouped(act, sched: BlockSchedule, router_w, w: ExpertWeights,
         _check_fp8_tile(w, bn, bk, "down")
     if act_fp8:
         _check_act_fp8(w, bk, "down")
+    prequant = _check_prequant(cfg, act_fp8, ACT_GROUP, act_scale)
     nb = sched.num_blocks
     aliased = y_init is not None
     kernel = functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, n_k=I // bk, sblock=w.block, fp8=w.is_fp8,
-                               aliased=aliased, n_pairs=M, swap_ab=cfg.swap_ab, act_fp8=act_fp8)
+                               aliased=aliased, n_pairs=M, swap_ab=cfg.swap_ab, act_fp8=act_fp8, prequant=prequant)
     args = [sched.block_expert, sched.block_row0, sched.block_rows, sched.order, router_w.astype(_F32), act, w.down]
     if w.is_fp8:
         args.append(w.down_scale)
+    if prequant:
+        args.append(act_scale.astype(_F32))
     aliases = {}
     if aliased:
         aliases = {len(args): 0}
@@ -253,8 +303,16 @@ def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, co
         interpret = _default_interpret()
     sched = expert_block_schedule(topk_ids, w.num_experts, cfg.block_m)
     xb = x.astype(jnp.bfloat16)
-    act = gate_up_swiglu_grouped(xb, sched, w, k, cfg, act_fp8=act_fp8, interpret=interpret)
+    x_scale = act_scale = None
+    if act_fp8 and cfg.prequant:
+        if H % ACT_GROUP:
+            raise ValueError(f"prequant needs H a multiple of {ACT_GROUP}, got {H}")
+        q, x_scale = quantize_rows_fp8(xb.reshape(T, H // ACT_GROUP, ACT_GROUP))
+        xb = q.reshape(T, H)
+    act = gate_up_swiglu_grouped(xb, sched, w, k, cfg, act_fp8=act_fp8, x_scale=x_scale, interpret=interpret)
+    if isinstance(act, tuple):
+        act, act_scale = act
     y = down_weighted_grouped(act, sched, topk_weights.reshape(-1), w, cfg, y_init=y_init, act_fp8=act_fp8,
-                              interpret=interpret)
+                              act_scale=act_scale, interpret=interpret)
     out = jnp.sum(y[: T * k].reshape(T, k, H).astype(_F32), axis=1).astype(x.dtype)
     return (out, y) if return_y else out

@@ -17,7 +17,9 @@ class TritonMoeConfig:
     """block_m: rows per block (every expert's rows are padded to it); gu_*: gate+up GEMM tile (N over I, K over H);
     dn_*: down GEMM tile (N over H, K over I); warps/stages per kernel (Triton num_warps / num_stages);
     swap_ab: compute W . x^T (weights on the MMA's M side, the layout tokamax uses for small row counts);
-    gu_f16: with FP8 weights, run the gate/up GEMM in f16 (FP8 -> f16 is a single convert on sm90)."""
+    gu_f16: with FP8 weights, run the gate/up GEMM in f16 (FP8 -> f16 is a single convert on sm90);
+    prequant: W8A8 only, quantise the activations outside the K loops (x once before gate/up, the SwiGLU output in the
+    gate/up epilogue, so gu_block_n must be 128) instead of per tile in registers."""
 
     block_m: int
     gu_block_n: int
@@ -30,6 +32,7 @@ class TritonMoeConfig:
     dn_stages: int = 4
     swap_ab: bool = False
     gu_f16: bool = False
+    prequant: bool = False
 
 
 # {weights dtype: [(max_pairs M, config), ...]}. Winners of the same-run sweep on the H200 (2026-11-30,
