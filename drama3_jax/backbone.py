@@ -27,7 +27,6 @@ from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, gdn_gates
 from kernels.moe import ExpertWeights, moe_experts
 from kernels.moe.quant import ACT_GROUP
-from kernels.moe.tuning import W8A8_MAX_PAIRS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +34,10 @@ class Backends:
     """Which implementation each op uses (static under jit): "reference" (plain jnp), a Pallas backend name, or
     "auto" (the Pallas kernel on GPU, the reference elsewhere).
 
-    moe_activations: "bf16" (W8A16: the checkpoint's math, FP8 weights dequantised) or "fp8" (W8A8: the routed experts'
-    inputs quantised to e4m3 per token and 128 columns, FP8 x FP8 GEMMs; kernels/moe/quant.py). Applies to FP8
-    expert weights only, on the "reference" and Pallas MoE backends, and to calls of at most 256 tokens (decode; larger
-    prefill chunks keep bf16 activations, where W8A8 measured slower).
+    moe_activations: "bf16" (W8A16: FP8 weights dequantised, bf16 activations) or "fp8" (W8A8: the routed experts'
+    inputs quantised to e4m3 per token and 128 columns, FP8 x FP8 GEMMs; kernels/moe/quant.py: the checkpoint's
+    `activation_scheme: "dynamic"`, see `default_moe_activations`). Applies to FP8 expert weights in 128 x 128 blocks
+    whose GEMMs' K is whole 128-column groups, on the "reference" and Pallas MoE backends.
 
     dense: the bf16 projections (kernels/dense/api.py); its Pallas kernel takes calls of at most 256 rows (decode),
     larger ones stay on XLA's GEMM."""
@@ -58,6 +57,13 @@ class Backends:
     @classmethod
     def auto(cls) -> "Backends":
         return cls(moe="auto", gdn_prefill="auto", gdn_decode="auto", attention="auto", sampling="auto")
+
+
+def default_moe_activations(cfg: Drama3Config) -> str:
+    """The routed experts' activation precision a checkpoint asks for: "fp8" when its block-FP8 quantization_config
+    has `activation_scheme: "dynamic"` (activations quantised at run time per token and 128 columns: the scheme
+    block-FP8 checkpoints are made for, which vLLM's and SGLang's block-FP8 MoE kernels run), else "bf16"."""
+    return "fp8" if cfg.quant is not None and cfg.quant.activation_scheme == "dynamic" else "bf16"
 
 
 # ------------------------------------------------------------------------------------------------ cache
@@ -241,12 +247,11 @@ class SparseMoe(nnx.Module):
             ids, w = self.route(xf, dense)
         with jax.named_scope("moe_experts"):
             weights = self.experts.weights()
-            # W8A8 only for decode-sized calls (it is slower than W8A16 at prefill sizes, kernels/moe/tuning.py) and
-            # where both GEMMs' K is whole 128-column groups in 128 x 128 weight blocks (not the tiny test models)
+            # W8A8 where both GEMMs' K is whole 128-column groups in 128 x 128 weight blocks (not the tiny test
+            # models, whose K is smaller than a group)
             I = weights.down.shape[-1]
-            w8a8 = (act_fp8 and weights.is_fp8 and xf.shape[0] * self.top_k <= W8A8_MAX_PAIRS
-                    and weights.block == (ACT_GROUP, ACT_GROUP) and xf.shape[-1] % ACT_GROUP == 0
-                    and I % ACT_GROUP == 0)
+            w8a8 = (act_fp8 and weights.is_fp8 and weights.block == (ACT_GROUP, ACT_GROUP)
+                    and xf.shape[-1] % ACT_GROUP == 0 and I % ACT_GROUP == 0)
             options = {"act_fp8": True} if w8a8 else {}
             routed = moe_experts(xf, ids, w, weights, backend=backend, **options)
         with jax.named_scope("shared_expert"):

@@ -40,7 +40,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from drama3_jax.backbone import Backends  # noqa: E402
+from drama3_jax.backbone import Backends, default_moe_activations  # noqa: E402
 from drama3_jax.prompt import build_prompt, normalize_text, split_long_text  # noqa: E402
 from experiments.common import command_line, log, save_json  # noqa: E402
 from experiments.decode_profile import gpu_kernel_events  # noqa: E402
@@ -100,8 +100,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "gdn_ref": ("GDN Pallas kernels (prefill + decode) -> jnp reference", _backends(gdn_prefill="reference",
                                                                                     gdn_decode="reference")),
     "moe_xla": ("Pallas MoE -> XLA ragged_dot", _backends(moe="xla_ragged_dot")),
-    "moe_w8a8": ("routed experts W8A16 (bf16 activations) -> W8A8 (FP8 activations per token and 128 columns)",
-                 _backends(moe_activations="fp8")),
+    "moe_w8a16": ("routed experts W8A8 (FP8 activations per token and 128 columns, the checkpoint's dynamic scheme) "
+                  "-> W8A16 (bf16 activations)", _backends(moe_activations="bf16")),
     "sampling_ref": ("fused sampling kernel -> sort-based reference", _backends(sampling="reference")),
     "ssm_fp32": ("bf16 GDN state -> fp32", lambda c: dataclasses.replace(c, ssm_state_dtype="float32")),
     "four_frames": ("one frame per host call (the server default, pipelined) -> 4 frames per call (multi-frame "
@@ -379,7 +379,9 @@ def main(argv=None):
     sampling = Sampling(max_new_tokens=args.max_new_tokens or longest)
     timed_bodies, warm_bodies = ([request_body(r, sampling, True, None) for r in rs] for rs in (reqs, warm))
     base = EngineConfig(max_streams=args.streams, max_new_tokens=sampling.max_new_tokens,
-                        frames_per_step=args.frames_per_step, benchmark_mode=True, backends=Backends.auto(),
+                        frames_per_step=args.frames_per_step, benchmark_mode=True,
+                        backends=dataclasses.replace(Backends.auto(),
+                                                     moe_activations=default_moe_activations(talker.cfg)),
                         encode_warmup="lazy",  # the synthetic set sends its references as codes: nothing to encode
                         dtype=str(jnp.dtype(talker.lm_head.weight[...].dtype)), ssm_state_dtype="bfloat16")
     rows_needed = max(len(build_prompt(tok, mcfg, split_long_text(normalize_text(b["input"]))[0],

@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GDN recurrent-state dtype (default: the checkpoint's mamba_ssm_dtype)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "reference"],
                     help="auto: Pallas kernels (MoE, GDN, sampling) on GPU, plain-jnp references elsewhere")
-    ap.add_argument("--moe-activations", default="bf16", choices=["bf16", "fp8"],
-                    help="routed experts with FP8 weights: bf16 activations (W8A16, the checkpoint's math) or FP8 "
-                         "activations quantised per token and 128 columns (W8A8, FP8 tensor cores)")
+    ap.add_argument("--moe-activations", default="auto", choices=["auto", "bf16", "fp8"],
+                    help="routed experts with FP8 weights: FP8 activations quantised per token and 128 columns (fp8: "
+                         "W8A8 on FP8 tensor cores), or bf16 activations (W8A16); auto: fp8 when the checkpoint's "
+                         "quantization_config has activation_scheme 'dynamic', else bf16")
     ap.add_argument("--compilation-cache", default=str(Path.home() / ".cache" / "drama3-jax" / "xla"),
                     help="persistent XLA compilation cache directory ('' disables)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain streams on SIGTERM")
@@ -123,7 +124,7 @@ def main(argv=None):
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     import uvicorn
 
-    from drama3_jax.backbone import Backends
+    from drama3_jax.backbone import Backends, default_moe_activations
     from serving.api import ServerState, create_app
     from serving.engine import Engine, EngineConfig
     from serving.metrics import Metrics, freeze_heap_and_watch_gc
@@ -165,6 +166,9 @@ def main(argv=None):
         description = "TINY RANDOM-WEIGHT SMOKE-TEST MODEL (no checkpoint given): the audio is noise"
         log.warning("no --checkpoint: serving an embedded tiny random-weight model; its audio is noise")
     log.info("model ready in %.1f s", time.perf_counter() - t0)
+    moe_activations = (default_moe_activations(talker.cfg) if args.moe_activations == "auto"
+                       else args.moe_activations)
+    log.info("routed experts: %s activations", moe_activations)
     cfg = EngineConfig(max_streams=args.max_streams, max_queue=args.max_queue, max_prompt_rows=args.max_prompt_rows,
                        max_new_tokens=args.max_new_tokens, frames_per_step=args.frames_per_step,
                        prefill_batch_sizes=tuple(sorted(args.prefill_batch_sizes)), prefill_chunk=args.prefill_chunk,
@@ -180,7 +184,7 @@ def main(argv=None):
                        encode_warmup=args.encode_warmup,
                        benchmark_mode=args.benchmark_mode, dtype=args.dtype, ssm_state_dtype=args.ssm_state_dtype,
                        backends=dataclasses.replace(Backends.auto() if args.kernels == "auto" else Backends(),
-                                                    moe_activations=args.moe_activations))
+                                                    moe_activations=moe_activations))
     engine = Engine(talker, tok, codec, cfg, metrics)
     voices = VoiceStore(args.voices_dir or tempfile.mkdtemp(prefix="drama3-voices-"))
     resolver = ReferenceResolver(codec, talker.cfg, args.allowed_local_media_path, cfg.encode_bucket_frames)

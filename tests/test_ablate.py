@@ -56,13 +56,14 @@ def test_config_rows_compose():
     from serving.engine import EngineConfig
 
     base = EngineConfig(max_streams=8)
-    off, change = config_change(config_name("prefill_chunk_256+prefill_batch_8+moe_w8a8"))
+    base = dataclasses.replace(base, backends=dataclasses.replace(base.backends, moe_activations="fp8"))
+    off, change = config_change(config_name("prefill_chunk_256+prefill_batch_8+moe_w8a16"))
     cfg = change(base)
-    assert (cfg.prefill_chunk, cfg.prefill_batch_sizes, cfg.backends.moe_activations) == (256, (1, 4, 8), "fp8")
+    assert (cfg.prefill_chunk, cfg.prefill_batch_sizes, cfg.backends.moe_activations) == (256, (1, 4, 8), "bf16")
     assert cfg == dataclasses.replace(base, prefill_chunk=256, prefill_batch_sizes=(1, 4, 8),
-                                      backends=dataclasses.replace(base.backends, moe_activations="fp8"))
+                                      backends=dataclasses.replace(base.backends, moe_activations="bf16"))
     assert off.count(";") == 2 and "256-row" in off
     assert config_change(config_name("full"))[1](base) == base
-    for bad in ("full+moe_w8a8", "moe_w8a8+nope", "nope"):
+    for bad in ("full+moe_w8a16", "moe_w8a16+nope", "nope"):
         with pytest.raises(argparse.ArgumentTypeError):
             config_name(bad)

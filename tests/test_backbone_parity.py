@@ -161,6 +161,47 @@ def test_moe_activations_option(jax_fp32, tiny_cfg):
     np.testing.assert_array_equal(out[0], out[1])
 
 
+def test_moe_activations_fp8_runs_w8a8_on_whole_128_column_groups(tiny_cfg):
+    """A MoE layer whose hidden and expert widths are whole 128-column groups (as in the real model) runs W8A8 with
+    "fp8": the Pallas kernels (interpret mode, the tuning table's W8A8 rows) give the reference's W8A8 output, at an
+    FP8-sized distance from bf16 activations, at a decode size and at a prefill size."""
+    import dataclasses
+
+    from drama3_jax.backbone import SparseMoe
+    from kernels.moe.testing import random_expert_weights
+
+    text = dataclasses.replace(tiny_cfg.text, hidden_size=128, moe_intermediate_size=128)
+    moe = SparseMoe(text, fp8_block=(128, 128), dtype=jnp.bfloat16)
+    keys = jax.random.split(jax.random.PRNGKey(int(np.random.default_rng().integers(1 << 20))), 8)
+    w = random_expert_weights(keys[0], text.num_experts, 128, 128, fp8=True)
+    for name, q, sc in (("gate_proj", w.gate, w.gate_scale), ("up_proj", w.up, w.up_scale),
+                        ("down_proj", w.down, w.down_scale)):
+        getattr(moe.experts, name).weight[...] = q
+        getattr(moe.experts, name).weight_scale_inv[...] = sc
+    for k, lin in zip(keys[1:], (moe.gate, moe.shared_expert.gate_proj, moe.shared_expert.up_proj,
+                                 moe.shared_expert.down_proj, moe.shared_expert_gate)):
+        lin.weight[...] = (jax.random.normal(k, lin.weight.shape) / np.sqrt(lin.weight.shape[1])).astype(jnp.bfloat16)
+    for T in (5, 300):  # 10 and 600 (token, expert) pairs: the W8A8 decode and prefill rows of the table
+        x = jax.random.normal(keys[6 + (T > 5)], (1, T, 128)).astype(jnp.bfloat16)
+        a8 = moe(x, backend="reference", act_fp8=True)
+        a16 = moe(x, backend="reference", act_fp8=False)
+        kernel = moe(x, backend="pallas_triton", act_fp8=True)
+        assert rel_err(kernel, a8) < 2e-2
+        assert 1e-3 < rel_err(a8, a16) < 0.1  # quantised for real, and only by FP8 rounding
+
+
+def test_default_moe_activations_follow_the_checkpoint(tiny_cfg):
+    import dataclasses
+
+    from drama3_jax.backbone import default_moe_activations
+    from drama3_jax.config import QuantConfig
+
+    assert tiny_cfg.quant.activation_scheme == "dynamic" and default_moe_activations(tiny_cfg) == "fp8"
+    assert default_moe_activations(dataclasses.replace(tiny_cfg, quant=None)) == "bf16"
+    static = dataclasses.replace(tiny_cfg, quant=QuantConfig(activation_scheme="static"))
+    assert default_moe_activations(static) == "bf16"
+
+
 def test_dense_backend_in_the_model(jax_fp32, tiny_cfg, monkeypatch):
     """Backends(dense="pallas") runs every projection of the tiny model whose shape fits (small tiles patched into
     the table, Pallas interpret mode) and gives the reference's hidden states, prefill and one decode step."""

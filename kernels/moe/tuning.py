@@ -52,14 +52,16 @@ TRITON_TABLE: dict[str, list[tuple[int, dict]]] = {
         (1 << 62, dict(block_m=64, gu_block_n=128, gu_block_k=64, dn_block_n=128, dn_block_k=64, gu_warps=4,
                        gu_stages=4, dn_warps=4, dn_stages=4)),
     ],
-    # W8A8 (act_fp8): K tiles must be 128 (one activation scale group). Decode: down N tiles of 128 with 4 warps,
-    # 0.2487 ms per layer at T=128 (76% of the FP8 roofline), against 0.2860 with 32-wide tiles and 2 warps (H200,
-    # 2026-12-01, experiments/results/moe_w8a8_2026-12-01). Prefill: the best of three (4.05 ms at T=8192, twice the
-    # W8A16 kernel's time), so the model uses W8A8 only up to W8A8_MAX_PAIRS.
+    # W8A8 (act_fp8): K tiles must be 128 (one activation scale group). Both rows quantise outside the K loops
+    # (prequant) and run e4m3 wgmma (kernels/triton_fp8.py). H200, 2026-12-01, experiments/results/moe_fp8_wgmma_2026-12-01
+    # (every variant checked against the reference on the device): decode 0.2320 ms per layer at T=128 in the sweep,
+    # 0.2349 in the bench (80% of the FP8 roofline), against 0.2430 with in-kernel quantisation; prefill 8 warps, 1.127
+    # ms at T=8192 (366 TFLOP/s) against 1.245 with 4 warps, 1.652 in-kernel, 1.981 for W8A16.
     "w8a8": [
-        (2048, _DECODE_BF16),
-        (1 << 62, dict(block_m=64, gu_block_n=128, gu_block_k=128, dn_block_n=128, dn_block_k=128, gu_warps=4,
-                       gu_stages=3, dn_warps=4, dn_stages=3)),
+        (2048, dict(block_m=16, gu_block_n=128, gu_block_k=128, dn_block_n=128, dn_block_k=128, gu_warps=4,
+                    gu_stages=4, dn_warps=4, dn_stages=4, prequant=True)),
+        (1 << 62, dict(block_m=64, gu_block_n=128, gu_block_k=128, dn_block_n=128, dn_block_k=128, gu_warps=8,
+                       gu_stages=3, dn_warps=8, dn_stages=3, prequant=True)),
     ],
     "bf16": [
         (2048, _DECODE_BF16),
@@ -67,11 +69,6 @@ TRITON_TABLE: dict[str, list[tuple[int, dict]]] = {
                        gu_stages=3, dn_warps=8, dn_stages=3)),
     ],
 }
-
-
-# W8A8 is faster than W8A16 at decode sizes (0.249 vs 0.286 ms at T=128) and slower at prefill (4.05 vs 2.02 ms at
-# T=8192, same run): the model quantises activations only for calls of at most this many (token, expert) pairs.
-W8A8_MAX_PAIRS = 2048
 
 
 def pick(table: dict[str, list[tuple[int, dict]]], num_pairs: int, fp8: bool, act_fp8: bool = False,
