@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import Drama3Config, TextConfig
-from drama3_jax.nn import (Embedding, Linear, RMSNorm, apply_rope_rotate_half, gated_cached_attention, rms_norm,
-                           swiglu)
+from drama3_jax.nn import (Embedding, FusedLinear, Linear, RMSNorm, apply_rope_rotate_half, gated_cached_attention,
+                           rms_norm, swiglu)
 from kernels.dense.api import linear
 from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, gdn_gates
@@ -113,18 +113,29 @@ class GatedAttention(nnx.Module):
         self.o_proj = Linear(nh * hd, h, dtype=dtype)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype=dtype)
+        self.qkv_proj = None  # FusedLinear(q_proj, k_proj, v_proj) after fuse_projections()
         self.cfg = cfg
+
+    def fuse_projections(self):
+        if self.qkv_proj is not None:
+            return
+        self.qkv_proj = nnx.data(FusedLinear([self.q_proj, self.k_proj, self.v_proj]))
+        del self.q_proj, self.k_proj, self.v_proj
 
     def __call__(self, x, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
                  dense: str = "reference"):
         cfg = self.cfg
         B, T, _ = x.shape
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        qg = self.q_proj(x, dense).reshape(B, T, nh, 2 * hd)
+        if self.qkv_proj is not None:
+            qg, k, v = self.qkv_proj(x, dense)
+        else:
+            qg, k, v = self.q_proj(x, dense), self.k_proj(x, dense), self.v_proj(x, dense)
+        qg = qg.reshape(B, T, nh, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x, dense).reshape(B, T, nkv, hd))
-        v = self.v_proj(x, dense).reshape(B, T, nkv, hd)
+        k = self.k_norm(k.reshape(B, T, nkv, hd))
+        v = v.reshape(B, T, nkv, hd)
         q = apply_rope_rotate_half(q, positions, cfg.rotary_dim, cfg.rope_theta)
         k = apply_rope_rotate_half(k, positions, cfg.rotary_dim, cfg.rope_theta)
         o, k_cache, v_cache = gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, new_lengths,
@@ -148,7 +159,14 @@ class GatedDeltaNet(nnx.Module):
         self.dt_bias = nnx.Param(jnp.ones((cfg.linear_num_value_heads,), dtype))
         self.norm = RMSNorm(cfg.linear_value_head_dim, cfg.rms_norm_eps, zero_centered=False, dtype=dtype)
         self.out_proj = Linear(cfg.linear_value_dim, h, dtype=dtype)
+        self.in_proj = None  # FusedLinear(in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) after fuse_projections()
         self.cfg = cfg
+
+    def fuse_projections(self):
+        if self.in_proj is not None:
+            return
+        self.in_proj = nnx.data(FusedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]))
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def __call__(self, x, conv_state, ssm_state, new_lengths, *, decode: bool, backends: Backends):
         cfg = self.cfg
@@ -156,10 +174,12 @@ class GatedDeltaNet(nnx.Module):
         hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                           cfg.linear_value_head_dim)
         kd = hk * dk
-        mixed = self.in_proj_qkv(x, backends.dense)
-        z = self.in_proj_z(x, backends.dense).reshape(B, T, hv, dv)
-        b = self.in_proj_b(x, backends.dense)
-        a = self.in_proj_a(x, backends.dense)
+        if self.in_proj is not None:
+            mixed, z, b, a = self.in_proj(x, backends.dense)
+        else:
+            mixed, z, b, a = (p(x, backends.dense) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                                              self.in_proj_a))
+        z = z.reshape(B, T, hv, dv)
         conv_w = self.conv1d.weight[...][:, 0, :]
         with jax.named_scope("gdn_core"):  # profile category (experiments/decode_profile.py)
             if decode:
@@ -211,13 +231,12 @@ class Experts(nnx.Module):
 
 
 class MLP(nnx.Module):
+    """The shared expert's SwiGLU weights (SparseMoe runs them: its gate/up share a GEMM with the router)."""
+
     def __init__(self, hidden: int, inter: int, dtype):
         self.gate_proj = Linear(hidden, inter, dtype=dtype)
         self.up_proj = Linear(hidden, inter, dtype=dtype)
         self.down_proj = Linear(inter, hidden, dtype=dtype)
-
-    def __call__(self, x, dense: str = "reference"):
-        return self.down_proj(swiglu(self.gate_proj(x, dense), self.up_proj(x, dense)), dense)
 
 
 class SparseMoe(nnx.Module):
@@ -228,13 +247,20 @@ class SparseMoe(nnx.Module):
         self.experts = Experts(cfg, fp8_block=fp8_block, dtype=dtype)
         self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, dtype)
         self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype=dtype)
+        # FusedLinear(gate, shared_expert.{gate,up}_proj, shared_expert_gate) after fuse_projections(): every
+        # projection of the layer's input in one GEMM
+        self.in_proj = None
         self.top_k = cfg.num_experts_per_tok
 
-    def route(self, x, dense: str = "reference"):
-        """x [N, H] -> (topk_ids [N, k] int32, topk_weights [N, k] fp32)."""
-        # bf16 x bf16 products are exact in fp32 and accumulate in fp32: the fp32 router math without an fp32 copy of
-        # the router weights per call
-        logits = linear(x, self.gate.weight[...], backend=dense, out_dtype=jnp.float32)
+    def fuse_projections(self):
+        if self.in_proj is not None:
+            return
+        se = self.shared_expert
+        self.in_proj = nnx.data(FusedLinear([self.gate, se.gate_proj, se.up_proj, self.shared_expert_gate]))
+        del self.gate, se.gate_proj, se.up_proj, self.shared_expert_gate
+
+    def route(self, logits):
+        """Router logits [N, E] fp32 -> (topk_ids [N, k] int32, topk_weights [N, k] fp32)."""
         # softmax is monotonic and renormalising the top-k probabilities cancels the full softmax's denominator, so
         # top-k of the logits and a softmax over those k give the reference's weights without a [N, E] softmax
         top, ids = jax.lax.top_k(logits, self.top_k)
@@ -243,8 +269,20 @@ class SparseMoe(nnx.Module):
     def __call__(self, x, *, backend: str, act_fp8: bool = False, dense: str = "reference"):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
+        se = self.shared_expert
+        # bf16 x bf16 products are exact in fp32 and accumulate in fp32: the fp32 router math without an fp32 copy of
+        # the router weights per call; the shared expert's projections round that fp32 result to x.dtype, as their
+        # own GEMMs would
+        with jax.named_scope("moe_in_proj"):
+            if self.in_proj is not None:
+                logits, sh_gate, sh_up, sg = self.in_proj(xf, dense, out_dtype=jnp.float32)
+                sh_gate, sh_up = sh_gate.astype(x.dtype), sh_up.astype(x.dtype)
+            else:
+                logits = linear(xf, self.gate.weight[...], backend=dense, out_dtype=jnp.float32)
+                sh_gate, sh_up = se.gate_proj(xf, dense), se.up_proj(xf, dense)
+                sg = self.shared_expert_gate(xf, dense)
         with jax.named_scope("router"):
-            ids, w = self.route(xf, dense)
+            ids, w = self.route(logits)
         with jax.named_scope("moe_experts"):
             weights = self.experts.weights()
             # W8A8 where both GEMMs' K is whole 128-column groups in 128 x 128 weight blocks (not the tiny test
@@ -255,8 +293,8 @@ class SparseMoe(nnx.Module):
             options = {"act_fp8": True} if w8a8 else {}
             routed = moe_experts(xf, ids, w, weights, backend=backend, **options)
         with jax.named_scope("shared_expert"):
-            shared = self.shared_expert(xf, dense)
-            sg = jax.nn.sigmoid(self.shared_expert_gate(xf, dense).astype(jnp.float32))
+            shared = se.down_proj(swiglu(sh_gate, sh_up), dense)
+            sg = jax.nn.sigmoid(sg.astype(jnp.float32))
         out = routed.astype(jnp.float32) + sg * shared.astype(jnp.float32)
         return out.astype(x.dtype).reshape(shape)
 

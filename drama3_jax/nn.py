@@ -29,6 +29,21 @@ class Linear(nnx.Module):
         return linear(x, self.weight[...], backend=dense)
 
 
+class FusedLinear(nnx.Module):
+    """Projections of the same input as one GEMM: `weight` [sum(out_i), in] stacks the members' [out, in] weights in
+    order; returns the members' outputs [..., out_i]. Built from checkpoint-layout `Linear`s by `fuse_projections`
+    (one launch and one weight stream instead of several, which decode-sized calls are latency-bound on)."""
+
+    def __init__(self, members):
+        ws = [m.weight[...] for m in members]
+        self.sizes = tuple(int(w.shape[0]) for w in ws)
+        self.weight = nnx.Param(jnp.concatenate(ws, axis=0))
+
+    def __call__(self, x: jax.Array, dense: str = "reference", out_dtype=None) -> list[jax.Array]:
+        y = linear(x, self.weight[...], backend=dense, out_dtype=out_dtype)
+        return jnp.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=-1)
+
+
 class Embedding(nnx.Module):
     """Row lookup in `weight` [num, dim]."""
 

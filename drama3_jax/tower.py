@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import TowerConfig
-from drama3_jax.nn import Embedding, Linear, RMSNorm, apply_rope_interleaved, gated_cached_attention, swiglu
+from drama3_jax.nn import (Embedding, FusedLinear, Linear, RMSNorm, apply_rope_interleaved, gated_cached_attention,
+                           swiglu)
 
 
 @jax.tree_util.register_dataclass
@@ -73,9 +74,17 @@ class FeedForward(nnx.Module):
         self.w1 = Linear(cfg.dim, cfg.intermediate_size, dtype=dtype)
         self.w3 = Linear(cfg.dim, cfg.intermediate_size, dtype=dtype)
         self.w2 = Linear(cfg.intermediate_size, cfg.dim, dtype=dtype)
+        self.w13 = None  # FusedLinear(w1, w3) after fuse_projections()
+
+    def fuse_projections(self):
+        if self.w13 is not None:
+            return
+        self.w13 = nnx.data(FusedLinear([self.w1, self.w3]))
+        del self.w1, self.w3
 
     def __call__(self, x, dense: str = "reference"):
-        return self.w2(swiglu(self.w1(x, dense), self.w3(x, dense)), dense)
+        g, u = self.w13(x, dense) if self.w13 is not None else (self.w1(x, dense), self.w3(x, dense))
+        return self.w2(swiglu(g, u), dense)
 
 
 class TransformerLayer(nnx.Module):

@@ -44,18 +44,20 @@ from drama3_jax.sampling import RAS_WINDOW, SamplingParams
 from experiments.common import command_line, log, save_json
 
 HBM_BPS, PEAK_FLOPS = 4.2e12, 780e12  # measured on the H200 (../shared/docs/h200-baselines.md)
-VARIANTS = {  # name -> (backends, GDN state dtype)
-    "reference": (Backends(), "float32"),
-    "pallas_fp32": (Backends.auto(), "float32"),
-    "pallas_bf16": (Backends.auto(), "bfloat16"),
-    "pallas_bf16_ref_attention": (dataclasses.replace(Backends.auto(), attention="reference"), "bfloat16"),
-    "pallas_bf16_w8a8": (dataclasses.replace(Backends.auto(), moe_activations="fp8"), "bfloat16"),
-    "pallas_bf16_dense": (dataclasses.replace(Backends.auto(), dense="auto"), "bfloat16"),
-    "pallas_bf16_w8a8_dense": (dataclasses.replace(Backends.auto(), moe_activations="fp8", dense="auto"), "bfloat16"),
+VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Model.fuse_projections)
+    "reference": (Backends(), "float32", False),
+    "pallas_fp32": (Backends.auto(), "float32", False),
+    "pallas_bf16": (Backends.auto(), "bfloat16", False),
+    "pallas_bf16_ref_attention": (dataclasses.replace(Backends.auto(), attention="reference"), "bfloat16", False),
+    "pallas_bf16_w8a8": (dataclasses.replace(Backends.auto(), moe_activations="fp8"), "bfloat16", False),
+    "pallas_bf16_w8a8_fused": (dataclasses.replace(Backends.auto(), moe_activations="fp8"), "bfloat16", True),
+    "pallas_bf16_dense": (dataclasses.replace(Backends.auto(), dense="auto"), "bfloat16", False),
+    "pallas_bf16_w8a8_dense": (dataclasses.replace(Backends.auto(), moe_activations="fp8", dense="auto"), "bfloat16",
+                               False),
 }
 # profile categories, first match wins, on the op_name path of each kernel's HLO instruction
-CATEGORIES = ("sampling", "attention_core", "kv_write", "gdn_core", "moe_experts", "router", "shared_expert",
-              "tower_heads", "lm_head", "tower", "backbone")
+CATEGORIES = ("sampling", "attention_core", "kv_write", "gdn_core", "moe_experts", "moe_in_proj", "router",
+              "shared_expert", "tower_heads", "lm_head", "tower", "backbone")
 
 
 def make_state(cfg, slots: int, max_len: int, context: int, state_dtype: str, seed: int = 0) -> DecodeState:
@@ -132,8 +134,9 @@ def category_rooflines(talker, cfg, slots: int, context: int, state_dtype: str) 
             cat = "tower_heads"
         elif name.startswith("audio_decoder_mtp"):
             cat = "tower"
-        elif ".mlp.gate." in name:
-            cat = "router"
+        elif any(k in name for k in (".mlp.gate.", ".mlp.in_proj.", "shared_expert.gate_proj", "shared_expert.up_proj",
+                                     ".mlp.shared_expert_gate.")):
+            cat = "moe_in_proj"  # the router and every other projection of the MoE input (one GEMM when fused)
         elif "shared_expert" in name:
             cat = "shared_expert"
         else:
@@ -254,31 +257,36 @@ def main(argv=None):
     graphdef, params = nnx.split(talker)
     jax.block_until_ready(params)
     log(f"talker built in {time.time() - t:.1f} s")
+    fused = None  # (talker, graphdef, params) with fused projections, made on first use (new copies of those weights)
     runs = [(v, s) for v in args.variants for s in args.slots]
     runs += [(e.split("@")[0], int(e.split("@")[1])) for e in args.extra]
     for variant, slots in runs:
         if time.time() - t_start > args.budget_s:
             R["rows"].append({"variant": variant, "slots": slots, "skipped": "budget"})
             continue
-        backends, state_dtype = VARIANTS[variant]
+        backends, state_dtype, fuse = VARIANTS[variant]
+        if fuse and fused is None:
+            f = nnx.merge(graphdef, params).fuse_projections()
+            fused = (f, *nnx.split(f))
+        model, gdef, prm = fused if fuse else (talker, graphdef, params)
         pool = max(slots, args.pool)
         row = {"variant": variant, "slots": slots, "pool": pool, "backends": dataclasses.asdict(backends),
                "ssm_state_dtype": state_dtype}
         try:
             state = make_state(cfg, pool, args.max_len, args.context, state_dtype)
-            step = make_step(graphdef, backends, slots)
+            step = make_step(gdef, backends, slots)
             t = time.time()
-            compiled = step.lower(params, state).compile()
+            compiled = step.lower(prm, state).compile()
             row["compile_s"] = round(time.time() - t, 1)
-            roof = category_rooflines(talker, cfg, slots, args.context, state_dtype)
+            roof = category_rooflines(model, cfg, slots, args.context, state_dtype)
             row["roofline_ms"] = sum(r["roofline_ms"] for r in roof.values())
             if args.phase == "timing":
-                back, sync, state = time_step(step, params, state)
+                back, sync, state = time_step(step, prm, state)
                 row.update(step_ms=back, round_trip_ms=sync, frames_per_s=1e3 * slots / back,
                            audio_s_per_s=1e3 * slots / back / (44100 / 2048))
                 row["pct_roofline"] = 100 * row["roofline_ms"] / back
             else:
-                p = profile(step, params, state, compiled.as_text(), args.profile_steps,
+                p = profile(step, prm, state, compiled.as_text(), args.profile_steps,
                             os.path.join(args.out, f"trace_{variant}_{slots}"))
                 row.update(p)
                 row["categories"] = {c: {"kernel_ms": p["kernel_ms_per_step"].get(c, 0.0), **roof.get(c, {})}

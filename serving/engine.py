@@ -101,6 +101,8 @@ class EngineConfig:
     stall_warn_s: float = 0.25
     benchmark_mode: bool = False
     backends: Backends = Backends()
+    # run each group of projections of one input as one GEMM (Drama3Model.fuse_projections, done in place on the model)
+    fuse_projections: bool = True
     dtype: str = "bfloat16"
     ssm_state_dtype: str | None = None  # GDN recurrent state: None = the checkpoint's mamba_ssm_dtype
 
@@ -184,6 +186,8 @@ class Engine:
         self.codec = codec
         self.cfg = cfg
         self.metrics = metrics or Metrics()
+        if cfg.fuse_projections:
+            model.fuse_projections()
         self.graphdef, self.params = nnx.split(model)
         # jit flattens a plain list of arrays on its fast path; an nnx.State pytree (1,045 leaves for 40 layers)
         # costs host time on every call

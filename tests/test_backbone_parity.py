@@ -190,6 +190,33 @@ def test_moe_activations_fp8_runs_w8a8_on_whole_128_column_groups(tiny_cfg):
         assert 1e-3 < rel_err(a8, a16) < 0.1  # quantised for real, and only by FP8 rounding
 
 
+def test_fused_projections_equal_the_checkpoint_layout(tiny_fp8_dir, tiny_cfg):
+    """Drama3Model.fuse_projections (each group of projections of one input as one GEMM) changes no result: the
+    prefill (backbone, teacher-forced tower and its head logits) and a decode step equal the checkpoint-layout
+    model's, and the weights are the same numbers, moved rather than copied."""
+    from drama3_jax.nn import FusedLinear
+
+    model = drama3_jax.load_talker(tiny_fp8_dir, dtype=jnp.float32)
+    rows = jnp.asarray(random_rows(tiny_cfg, 2, 9, seed=11, semantic_from=4))
+    lengths = jnp.asarray([9, 6], jnp.int32)
+
+    def run():
+        h, logits, cache = model.teacher_forced(rows, lengths, 32)
+        step, _ = model.forward(rows[:, :1], cache.backbone, jnp.ones((2,), jnp.int32))
+        return [np.asarray(a) for a in (h, logits, step)]
+
+    count = lambda: sum(x.size for x in jax.tree.leaves(nnx.state(model)))  # noqa: E731
+    before, n_before = run(), count()
+    model.fuse_projections().fuse_projections()  # idempotent
+    layer = model.model.language_model.layers
+    assert isinstance(layer[0].linear_attn.in_proj, FusedLinear) and isinstance(layer[3].self_attn.qkv_proj,
+                                                                                 FusedLinear)
+    assert not hasattr(layer[0].linear_attn, "in_proj_qkv") and not hasattr(layer[0].mlp, "gate")
+    assert count() == n_before
+    for a, b in zip(run(), before):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
 def test_default_moe_activations_follow_the_checkpoint(tiny_cfg):
     import dataclasses
 

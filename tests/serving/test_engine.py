@@ -76,6 +76,7 @@ def test_same_audio_alone_and_among_127_others(engine):
     sizes = np.array(engine.codec.cfg.codebook_sizes)[:, None]
     ref = engine.codec.decode(np.minimum(codes, sizes - 1))
     np.testing.assert_allclose(alone, ref, atol=1e-4)
+    assert _talker(engine).model.language_model.layers[0].linear_attn.in_proj is not None  # the engine fused them
 
 
 @pytest.mark.parametrize("which", ["engine", "sync_engine"])
