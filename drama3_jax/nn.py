@@ -34,14 +34,15 @@ class FusedLinear(nnx.Module):
     order; returns the members' outputs [..., out_i]. Built from checkpoint-layout `Linear`s by `fuse_projections`
     (one launch and one weight stream instead of several, which decode-sized calls are latency-bound on)."""
 
-    def __init__(self, members):
+    def __init__(self, members, align: int = 64):
         ws = [m.weight[...] for m in members]
         self.sizes = tuple(int(w.shape[0]) for w in ws)
-        self.weight = nnx.Param(jnp.concatenate(ws, axis=0))
+        pad = -sum(self.sizes) % align  # zero rows, so that the GEMM's output rows stay aligned (e.g. 256 + 2 * 512 + 1)
+        self.weight = nnx.Param(jnp.concatenate(ws + [jnp.zeros((pad, ws[0].shape[1]), ws[0].dtype)], axis=0))
 
     def __call__(self, x: jax.Array, dense: str = "reference", out_dtype=None) -> list[jax.Array]:
         y = linear(x, self.weight[...], backend=dense, out_dtype=out_dtype)
-        return jnp.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=-1)
+        return jnp.split(y, np.cumsum(self.sizes).tolist(), axis=-1)[:len(self.sizes)]
 
 
 class Embedding(nnx.Module):

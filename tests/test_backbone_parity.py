@@ -212,9 +212,17 @@ def test_fused_projections_equal_the_checkpoint_layout(tiny_fp8_dir, tiny_cfg):
     assert isinstance(layer[0].linear_attn.in_proj, FusedLinear) and isinstance(layer[3].self_attn.qkv_proj,
                                                                                  FusedLinear)
     assert not hasattr(layer[0].linear_attn, "in_proj_qkv") and not hasattr(layer[0].mlp, "gate")
-    assert count() == n_before
+    mlp = layer[0].mlp.in_proj
+    assert mlp.sizes == (tiny_cfg.text.num_experts, 32, 32, 1) and mlp.weight.shape[0] == 128  # 73 rows + 55 zero
+    assert count() == n_before + sum(-sum(m.sizes) % 64 * m.weight.shape[1] for m in _fused(model))
     for a, b in zip(run(), before):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def _fused(model):
+    from drama3_jax.nn import FusedLinear
+
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, FusedLinear)]
 
 
 def test_default_moe_activations_follow_the_checkpoint(tiny_cfg):
