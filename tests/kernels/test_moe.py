@@ -34,6 +34,17 @@ def _key():
     return jax.random.PRNGKey(next(_seed) + int(np.random.default_rng().integers(1 << 20)))
 
 
+def _run_poisoned(x, ids, tw, w, cfg, **options):
+    """The kernel layer with its (token, slot) rows y aliased to a NaN-poisoned buffer: (out, y [T * k, H]), after
+    checking that every row was written."""
+    M = ids.size
+    y_init = jnp.full((M + cfg.block_m, H), jnp.nan, jnp.bfloat16)
+    out, y = moe_experts_pallas_triton(x, ids, tw, w, config=cfg, interpret=True, y_init=y_init, return_y=True,
+                                       **options)
+    assert bool(jnp.all(jnp.isfinite(y[:M].astype(jnp.float32)))), "some (token, slot) rows of y were not written"
+    return out, y[:M]
+
+
 def _inputs(T, E, k, fp8, **routing):
     w = random_expert_weights(_key(), E, H, I, fp8=fp8)
     x = jax.random.normal(_key(), (T, H), jnp.float32).astype(jnp.bfloat16)
@@ -151,14 +162,11 @@ def test_pallas_triton_w8a8_matches_reference(T, E, k, routing, swap_ab):
     cfg = dataclasses.replace(CFG, dn_block_k=128, swap_ab=swap_ab)
     x, ids, tw, w = _inputs(T, E, k, fp8=True, **routing)
     M = T * k
-    y_init = jnp.full((M + cfg.block_m, H), jnp.nan, jnp.bfloat16)
-    out, y = moe_experts_pallas_triton(x, ids, tw, w, config=cfg, act_fp8=True, interpret=True, y_init=y_init,
-                                       return_y=True)
-    assert bool(jnp.all(jnp.isfinite(y[:M].astype(jnp.float32)))), "some (token, slot) rows of y were not written"
+    out, y = _run_poisoned(x, ids, tw, w, cfg, act_fp8=True)
     ref = moe_experts_reference(x, ids, tw, w, act_fp8=True)
     assert rel_err(out, ref) < TOL
     single = moe_experts_reference(jnp.repeat(x, k, axis=0), ids.reshape(M, 1), tw.reshape(M, 1), w, act_fp8=True)
-    assert rel_err(y[:M], single) < TOL
+    assert rel_err(y, single) < TOL
     # the quantisation is real (not a no-op) and its error is FP8-sized
     err_a16 = rel_err(out, moe_experts_reference(x, ids, tw, w))
     assert 1e-3 < err_a16 < 0.1, err_a16
@@ -173,11 +181,7 @@ def test_pallas_triton_w8a8_prequant_matches_in_kernel_quantisation(T, E, k, rou
 
     cfg = dataclasses.replace(CFG, gu_block_n=128, dn_block_k=128, prequant=True)
     x, ids, tw, w = _inputs(T, E, k, fp8=True, **routing)
-    M = T * k
-    y_init = jnp.full((M + cfg.block_m, H), jnp.nan, jnp.bfloat16)
-    out, y = moe_experts_pallas_triton(x, ids, tw, w, config=cfg, act_fp8=True, interpret=True, y_init=y_init,
-                                       return_y=True)
-    assert bool(jnp.all(jnp.isfinite(y[:M].astype(jnp.float32)))), "some (token, slot) rows of y were not written"
+    out, _ = _run_poisoned(x, ids, tw, w, cfg, act_fp8=True)
     in_kernel = moe_experts_pallas_triton(x, ids, tw, w, config=dataclasses.replace(cfg, prequant=False),
                                           act_fp8=True, interpret=True)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(in_kernel, np.float32))
