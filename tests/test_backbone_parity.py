@@ -130,11 +130,12 @@ def test_bf16_compute_no_worse_than_reference_bf16(tiny_fp8_dir, tiny_hf_dir, to
 
 def test_router_weights_equal_softmax_then_top_k(jax_fp32, tiny_cfg):
     """The router takes top-k of the logits and a softmax over those k: the same experts and weights as the
-    checkpoint's softmax over all experts, top-k, renormalise (on fresh random hidden states)."""
+    checkpoint's softmax over all experts, top-k, renormalise (on the logits of fresh random hidden states)."""
     moe = jax_fp32.model.language_model.layers[0].mlp
     x = jnp.asarray(np.random.default_rng(7).standard_normal((33, tiny_cfg.text.hidden_size)), jnp.float32)
-    ids, w = moe.route(x)
-    probs = np.asarray(jax.nn.softmax(x @ moe.gate.weight[...].T, axis=-1), np.float64)
+    logits = x @ moe.gate.weight[...].T
+    ids, w = moe.route(logits)
+    probs = np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
     ref_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :tiny_cfg.text.num_experts_per_tok]
     ref_w = np.take_along_axis(probs, ref_ids, -1)
     assert np.array_equal(np.asarray(ids), ref_ids)
