@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels import triton_fp8
-from kernels.moe.quant import ACT_GROUP, quantize_rows_fp8
+from kernels.moe.quant import ACT_GROUP, quantize_groups_fp8, quantize_rows_fp8
 from kernels.moe.routing import BlockSchedule, expert_block_schedule
 from kernels.moe.tuning import TRITON_TABLE, TritonMoeConfig, pick
 from kernels.moe.weights import ExpertWeights
@@ -304,13 +304,11 @@ def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, co
     sched = expert_block_schedule(topk_ids, w.num_experts, cfg.block_m)
     xb = x.astype(jnp.bfloat16)
     x_scale = act_scale = None
-    if act_fp8 and cfg.prequant:
-        if H % ACT_GROUP:
-            raise ValueError(f"prequant needs H a multiple of {ACT_GROUP}, got {H}")
-        q, x_scale = quantize_rows_fp8(xb.reshape(T, H // ACT_GROUP, ACT_GROUP))
-        xb = q.reshape(T, H)
+    prequant = act_fp8 and cfg.prequant
+    if prequant:
+        xb, x_scale = quantize_groups_fp8(xb)
     act = gate_up_swiglu_grouped(xb, sched, w, k, cfg, act_fp8=act_fp8, x_scale=x_scale, interpret=interpret)
-    if isinstance(act, tuple):
+    if prequant:
         act, act_scale = act
     y = down_weighted_grouped(act, sched, topk_weights.reshape(-1), w, cfg, y_init=y_init, act_fp8=act_fp8,
                               act_scale=act_scale, interpret=interpret)
