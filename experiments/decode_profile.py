@@ -18,15 +18,18 @@ scopes of `frame_step`: moe_experts, gdn_core, attention_core, sampling, ...) be
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
 import gzip
+import importlib
 import json
 import os
 import re
 import sys
 import time
 from collections import defaultdict
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +57,14 @@ VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Mod
     "pallas_bf16_dense": (dataclasses.replace(Backends.auto(), dense="auto"), "bfloat16", False),
     "pallas_bf16_w8a8_dense": (dataclasses.replace(Backends.auto(), moe_activations="fp8", dense="auto"), "bfloat16",
                                False),
+}
+# variants that also switch a module-level choice, for A/B runs in one call: (module, attribute, key or None, value)
+PATCHES = {
+    # the sixth session's step without its two changes: the argsort expert grouping and the XLA conv-state shift
+    "pallas_bf16_w8a8_fused_argsort_xlashift": ("pallas_bf16_w8a8_fused", [
+        ("kernels.moe.routing", "RANK_MAX_PAIRS", None, 0),
+        ("kernels.gdn.pallas_triton", "TUNING", "decode", {"conv_shift": "xla"}),
+    ]),
 }
 # profile categories, first match wins, on the op_name path of each kernel's HLO instruction
 CATEGORIES = ("sampling", "attention_core", "kv_write", "gdn_core", "moe_experts", "moe_in_proj", "router",
@@ -229,7 +240,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--phase", choices=["timing", "profile"], default="timing")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 64, 128, 256])
-    ap.add_argument("--variants", nargs="+", default=["pallas_bf16"], choices=sorted(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=["pallas_bf16"], choices=sorted(VARIANTS) + sorted(PATCHES))
     ap.add_argument("--extra", nargs="*", default=[], help="variant@slots pairs timed in addition, e.g. reference@128")
     ap.add_argument("--pool", type=int, default=0,
                     help="slot pool size: each step runs over the first --slots rows of a pool this large (the "
@@ -264,7 +275,7 @@ def main(argv=None):
         if time.time() - t_start > args.budget_s:
             R["rows"].append({"variant": variant, "slots": slots, "skipped": "budget"})
             continue
-        backends, state_dtype, fuse = VARIANTS[variant]
+        backends, state_dtype, fuse = VARIANTS[PATCHES[variant][0] if variant in PATCHES else variant]
         if fuse and fused is None:
             f = nnx.merge(graphdef, params).fuse_projections()
             fused = (f, *nnx.split(f))
@@ -272,6 +283,7 @@ def main(argv=None):
         pool = max(slots, args.pool)
         row = {"variant": variant, "slots": slots, "pool": pool, "backends": dataclasses.asdict(backends),
                "ssm_state_dtype": state_dtype}
+        patches = variant_patches(variant)
         try:
             state = make_state(cfg, pool, args.max_len, args.context, state_dtype)
             step = make_step(gdef, backends, slots)
@@ -294,11 +306,26 @@ def main(argv=None):
             del state
         except Exception as e:  # record and go on: partial results survive
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        finally:
+            patches.close()
         R["rows"].append(row)
         log({k: v for k, v in row.items() if k not in ("top_ops", "categories", "backends")})
         save_json(R, out_json)
     write_markdown(R, os.path.join(args.out, f"decode_{args.phase}.md"))
     write_plot(R, os.path.join(args.out, f"decode_{args.phase}.png"))
+
+
+def variant_patches(variant: str) -> contextlib.ExitStack:
+    """Apply the variant's PATCHES (undone by closing the returned stack); the step is traced while they hold."""
+    stack = contextlib.ExitStack()
+    for module, attr, key, value in PATCHES.get(variant, (None, []))[1]:
+        mod = importlib.import_module(module)
+        if key is None:
+            stack.enter_context(mock.patch.object(mod, attr, value))
+        else:
+            table = getattr(mod, attr)
+            stack.enter_context(mock.patch.dict(table, {key: table[key] | value}))
+    return stack
 
 
 def write_plot(R: dict, path: str):

@@ -157,6 +157,7 @@ class Request:
     id: str = ""
     prompt: np.ndarray | None = None  # rows of the current chunk
     t_arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    t_admit: float | None = None  # when its first prefill was dispatched
     t_first_audio: float | None = None
     t_audio_end: float = 0.0  # when the audio sent so far ends if played in real time from its first chunk
     cancelled: bool = False
@@ -400,7 +401,7 @@ class Engine:
     @staticmethod
     def _new_stats() -> dict:
         return dict(t=time.perf_counter(), steps=0, step_rows=0, codec_calls=0, codec_frames=0,
-                    codec_padded_frames=0, prefills=0, prefill_requests=0)
+                    codec_padded_frames=0, prefills=0, prefill_requests=0, queue_wait=[], to_first_audio=[])
 
     def _log_stats(self):
         """Every `stats_interval_s`: decode steps/s, codec calls (frames used / computed), prefill calls."""
@@ -409,10 +410,11 @@ class Engine:
             return
         dt = now - st["t"]
         log.info("engine: %.1f decode steps/s (%d frames each, %.0f slots on average), codec %.1f calls/s (%d frames "
-                 "of %d computed), prefill %.1f calls/s (%d requests), %d active, %d waiting", st["steps"] / dt,
+                 "of %d computed), prefill %.1f calls/s (%d requests), %d active, %d waiting; time to first audio = "
+                 "queue wait p50 %s + admission to first audio p50 %s", st["steps"] / dt,
                  self.cfg.frames_per_step, st["step_rows"] / max(1, st["steps"]), st["codec_calls"] / dt,
                  st["codec_frames"], st["codec_padded_frames"], st["prefills"] / dt, st["prefill_requests"],
-                 self.active_count(), len(self.waiting))
+                 self.active_count(), len(self.waiting), _p50_ms(st["queue_wait"]), _p50_ms(st["to_first_audio"]))
         self._stats = self._new_stats()
 
     def _drop_cancelled_waiting(self):
@@ -481,6 +483,11 @@ class Engine:
             r.first_step = self._steps_dispatched
             self.slots[s] = r
         t0 = time.perf_counter()
+        for r in batch:
+            if r.t_admit is None:
+                r.t_admit = t0
+                self.metrics.queue_wait_seconds.observe(t0 - r.t_arrival)
+                self._stats["queue_wait"].append(t0 - r.t_arrival)
         new = self.prefiller(rows, lengths, RequestSampling.make(params, seeds))
         self.pool = self._insert(self.pool, new, jnp.asarray(slot_ids))
         if fresh_codec.any():
@@ -635,6 +642,9 @@ class Engine:
                 if r.t_first_audio is None:
                     r.t_first_audio = now
                     self.metrics.ttfa_seconds.observe(now - r.t_arrival)
+                    if r.t_admit is not None:
+                        self.metrics.admit_to_first_audio_seconds.observe(now - r.t_admit)
+                        self._stats["to_first_audio"].append(now - r.t_admit)
                 r.t_audio_end = max(r.t_audio_end, now) + take * fl / self.codec.cfg.sample_rate
                 r.sink("audio", audio[i, :take * fl])
         for s, r in enumerate(self.slots):
@@ -711,6 +721,10 @@ def slow_iteration_message(phases: dict[str, float], seconds: float, threshold_s
         return None
     parts = ", ".join(f"{k} {1e3 * v:.0f} ms" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 1e-3)
     return f"engine: slow iteration {1e3 * seconds:.0f} ms ({parts})"
+
+
+def _p50_ms(seconds: list[float]) -> str:
+    return f"{1e3 * float(np.median(seconds)):.0f} ms" if seconds else "-"
 
 
 def _ema(avg: float, x: float, weight: float = 0.1) -> float:

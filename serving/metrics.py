@@ -24,6 +24,12 @@ class Metrics:
         self.audio_seconds = Counter("drama3_audio_seconds", "seconds of audio delivered", registry=r)
         self.ttfa_seconds = Histogram("drama3_time_to_first_audio_seconds", "arrival to first audio chunk",
                                       buckets=_LATENCY, registry=r)
+        # the two parts of the time to first audio: waiting for admission, then prefill + first frames + codec
+        self.queue_wait_seconds = Histogram("drama3_queue_wait_seconds", "arrival to the dispatch of its prefill",
+                                            buckets=_LATENCY, registry=r)
+        self.admit_to_first_audio_seconds = Histogram(
+            "drama3_admit_to_first_audio_seconds", "prefill dispatch to first audio chunk (prefill, first frames, "
+            "codec)", buckets=_LATENCY, registry=r)
         self.step_seconds = Histogram("drama3_decode_step_seconds", "one decode call (all slots)", buckets=_STEP,
                                       registry=r)
         self.step_slots = Counter("drama3_decode_step_slots", "decode steps dispatched, by the slots they ran over "

@@ -57,10 +57,12 @@ f32 = jnp.float32
 # SMs at bv 64, e.g. B=1) takes bv 32 (0.47 vs 0.55 ms at B=1, T=4096) and a larger one bv 64 (0.82 vs 0.95 ms at
 # B=8, T=1024). `bv: None` = that automatic choice.
 TUNING = {
-    # grid "tiles": one program per (stream, value head, bv slice), the conv shift left to XLA (`_decode_tile_kernel`);
-    # H200, 2026-12-01, one layer at 128 streams (results/gdn_decode_tiles/): bv 64 / 4 warps 0.152 ms with a bf16
-    # pool and 0.200 ms with fp32, against 0.168 / 0.217 for the "heads" grid and 0.188-0.340 for the other tiles
-    "decode": {"grid": "tiles", "bv": 64, "num_warps": 4, "num_stages": 1},
+    # grid "tiles": one program per (stream, value head, bv slice) (`_decode_tile_kernel`); H200, 2026-12-01, one
+    # layer at 128 streams (results/gdn_decode_tiles/): bv 64 / 4 warps 0.152 ms with a bf16 pool and 0.200 ms with
+    # fp32, against 0.168 / 0.217 for the "heads" grid and 0.188-0.340 for the other tiles. conv_shift "kernel": the
+    # kernel writes the shifted conv state into a new pool when the batch is the whole pool; "xla": a separate XLA op
+    # (11 us per layer at 128 slots in results/decode_profile_fused_2026-12-01/)
+    "decode": {"grid": "tiles", "bv": 64, "num_warps": 4, "num_stages": 1, "conv_shift": "kernel"},
     # grid "heads": one program per (stream, key head), conv shift in the kernel (`_decode_kernel`)
     "decode_heads": {"bv": 32, "num_warps": 4, "num_stages": 1, "prefetch": 1},
     # bf16 state pools: tiles are half the registers, so three can be in flight (H200, 2026-12-01, 128 streams:
@@ -107,11 +109,20 @@ def _params(table: str, overrides: dict) -> dict:
     return p
 
 
-def _conv_silu(conv_ref, x_ref, w_ref, slot, bi, off: int, n: int, ksize: int):
+def _conv_silu(conv_ref, x_ref, w_ref, slot, bi, off: int, n: int, ksize: int, shift_ref=None, shift_when=None):
     """Depthwise causal conv + SiLU of channels [off, off + n) over [conv_state rows of `slot`..., x row `bi`]; same
-    casts as reference.causal_conv1d (the state is cast to x's dtype before the fp32 sum). Reads only."""
+    casts as reference.causal_conv1d (the state is cast to x's dtype before the fp32 sum). With `shift_ref` (a
+    separate output pool), also writes these channels' next conv state (rows 1.. then x) to its row `bi`, under
+    `shift_when` if given; conv_ref itself is only read."""
     ch = pl.ds(off, n)
-    xs = [conv_ref[slot, i, ch].astype(x_ref.dtype) for i in range(ksize - 1)] + [x_ref[bi, ch]]
+    past = [conv_ref[slot, i, ch] for i in range(ksize - 1)]
+    xs = [r.astype(x_ref.dtype) for r in past] + [x_ref[bi, ch]]
+    if shift_ref is not None:
+        def shift():
+            for i, r in enumerate(past[1:] + [xs[-1].astype(shift_ref.dtype)]):
+                shift_ref[bi, i, ch] = r.astype(shift_ref.dtype)
+
+        shift() if shift_when is None else pl.when(shift_when)(shift)
     y = xs[0].astype(f32) * w_ref[ch, 0].astype(f32)
     for i in range(1, ksize):
         y = y + xs[i].astype(f32) * w_ref[ch, i].astype(f32)
@@ -185,11 +196,13 @@ def _decode_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, con
 
 
 def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref, state_ref,
-                        o_ref, state_out_ref, *, hk, dk, dv, rep, bv, ksize, v_major):
+                        o_ref, state_out_ref, conv_out_ref=None, *, hk, dk, dv, rep, bv, ksize, v_major):
     """One [D_k, bv] state tile per program (grid (stream, value head, D_v slice)): many small independent programs
     instead of a loop over a key head's tiles, so the state traffic is spread over the whole GPU. Each program
-    recomputes its key head's conv'd q/k (cheap, L2-resident) and reads the conv state only; the caller shifts the
-    conv state afterwards (programs of one key head share q/k channels, so an in-kernel shift would race).
+    recomputes its key head's conv'd q/k (cheap, L2-resident) and only reads the conv state: programs of one key head
+    share q/k channels, so an in-place shift would race. With `conv_out_ref` (every slot in the batch) the shifted
+    conv state goes to that separate pool: each program writes its v channels, the first program of a key head its
+    q/k channels. Otherwise the caller shifts the conv state afterwards.
     v_major: the pool holds each head's state transposed, [D_v, D_k], so the D_k reductions run along the contiguous
     axis (a layout experiment; the model's pools are [D_k, D_v])."""
     bi = pl.program_id(0)
@@ -202,9 +215,10 @@ def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
 
     tile = (slot, h, pl.ds(j * bv, bv), slice(None)) if v_major else (slot, h, slice(None), pl.ds(j * bv, bv))
     s = state_ref[tile].astype(f32)  # issued first: the longest latency; [bv, dk] if v_major else [dk, bv]
-    q = _l2n(conv(kh * dk, dk)) * (dk ** -0.5)
-    k = _l2n(conv(kd + kh * dk, dk))
-    v = conv(2 * kd + h * dv + j * bv, bv)
+    qk_writer = ((h % rep) == 0) & (j == 0)
+    q = _l2n(conv(kh * dk, dk, shift_ref=conv_out_ref, shift_when=qk_writer)) * (dk ** -0.5)
+    k = _l2n(conv(kd + kh * dk, dk, shift_ref=conv_out_ref, shift_when=qk_writer))
+    v = conv(2 * kd + h * dv + j * bv, bv, shift_ref=conv_out_ref)
     d, beta = _decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, h)
     kd_axis = 1 if v_major else 0  # the D_k axis of the tile
     kb = k[None, :] if v_major else k[:, None]
@@ -228,13 +242,14 @@ def _shift_conv_state(conv_state, mixed_qkv, slots):
 def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *,
                            num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, interpret: bool = False,
                            bv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: int | None = None, grid: str | None = None, v_major: bool | None = None):
+                           prefetch: int | None = None, grid: str | None = None, v_major: bool | None = None,
+                           conv_shift: str | None = None):
     """Fused single-token GDN step on slot pools; same contract as `reference.gdn_decode_step`.
 
     The pools are updated in place (input_output_aliases); only the `slots` rows change. Donate conv_state and
     ssm_state at the enclosing jit to avoid a copy of the pool."""
     asked = {k: v for k, v in dict(bv=bv, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-                                   grid=grid, v_major=v_major).items() if v is not None}
+                                   grid=grid, v_major=v_major, conv_shift=conv_shift).items() if v is not None}
     p = _params("decode", asked)
     if p["grid"] == "heads":
         p = _params("decode_heads", (TUNING["decode_heads_bf16_state"] if ssm_state.dtype == jnp.bfloat16 else {})
@@ -255,17 +270,25 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
     slots = slots.astype(jnp.int32)
     params = plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"])
     if p["grid"] == "tiles":
-        o, ssm_state = pl.pallas_call(
+        # the whole pool in the batch: the kernel writes the shifted conv state into a new pool (one XLA op less per
+        # layer); a pool prefix keeps the rows past it, so there the XLA shift updates the given rows in place
+        assert p["conv_shift"] in ("kernel", "xla"), p["conv_shift"]
+        shift_in_kernel = given_slots is None and p["conv_shift"] == "kernel"
+        out_shape = (jax.ShapeDtypeStruct((B, hv, dv), f32), jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype))
+        if shift_in_kernel:
+            out_shape += (jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),)
+        o, ssm_state, *conv_new = pl.pallas_call(
             functools.partial(_decode_tile_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize,
                               v_major=p.get("v_major", False)),
-            out_shape=(jax.ShapeDtypeStruct((B, hv, dv), f32), jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)),
+            out_shape=out_shape,
             grid=(B, hv, dv // bv_),
             input_output_aliases={8: 1},
             compiler_params=params,
             interpret=interpret,
             name="gdn_decode_step_tiles",
         )(slots, mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, ssm_state)
-        return o, _shift_conv_state(conv_state, mixed_qkv, given_slots), ssm_state
+        conv_state = conv_new[0] if shift_in_kernel else _shift_conv_state(conv_state, mixed_qkv, given_slots)
+        return o, conv_state, ssm_state
     assert p["grid"] == "heads", p["grid"]
     kernel = functools.partial(_decode_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize,
                                prefetch=max(1, p["prefetch"]), barrier=not interpret)

@@ -8,6 +8,11 @@ padded copy). The number of blocks depends on the routing, so the schedule is si
 
 (every non-empty expert wastes at most block_m - 1 rows), and blocks past the used ones carry expert -1 and are skipped
 by the kernels. Shapes depend only on (T, k, E, block_m): no recompilation per batch composition, no host sync.
+
+The expert order of the pairs comes from a stable argsort when there are many pairs (prefill), and at decode sizes
+(M <= `RANK_MAX_PAIRS`) from each pair's rank among the pairs of its expert, a [M, M] compare-and-count that XLA
+fuses into one kernel, then one scatter: the same permutation. On the H200 the argsort was 10.5 us per layer at
+M = 1,024 (experiments/results/decode_profile_fused_2026-12-01/).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ class BlockSchedule:
         return self.block_expert.shape[0]
 
 
+RANK_MAX_PAIRS = 2048  # the [M, M] compare stays a few MB; above it (prefill) the argsort is cheaper
+
+
 def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Worst-case number of `block_m` row blocks over all routings of `num_pairs` pairs to `num_experts` experts."""
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
@@ -51,12 +59,10 @@ def expert_block_schedule(topk_ids: jax.Array, num_experts: int, block_m: int) -
     flat = topk_ids.reshape(-1).astype(jnp.int32)
     m = flat.shape[0]
     nb = max_row_blocks(m, num_experts, block_m)
-    # sort block_m sentinel keys (= E) along, so `order` comes out already padded (one op, no extra copy)
-    keys = jnp.concatenate([flat, jnp.full((block_m,), num_experts, jnp.int32)])
-    order = jnp.argsort(keys, stable=True).astype(jnp.int32)
     # histogram as a compare-reduce (one fused kernel; no atomics contending on 256 bins)
     counts = jnp.sum(flat[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
     start = jnp.cumsum(counts) - counts  # first sorted row of each expert
+    order = _expert_order(flat, start, num_experts, block_m)
     nblk = (counts + block_m - 1) // block_m
     blk_end = jnp.cumsum(nblk)
     blk_start = blk_end - nblk
@@ -74,3 +80,18 @@ def expert_block_schedule(topk_ids: jax.Array, num_experts: int, block_m: int) -
         block_rows=jnp.where(used, rows, 0),
         block_m=block_m,
     )
+
+
+def _expert_order(flat: jax.Array, start: jax.Array, num_experts: int, block_m: int) -> jax.Array:
+    """Pair indices [M + block_m] stably sorted by expert, then the block_m padding indices M..M+block_m-1.
+    flat [M] expert ids; start [E] first sorted row of each expert."""
+    m = flat.shape[0]
+    if m > RANK_MAX_PAIRS:
+        # sort block_m sentinel keys (= E) along, so `order` comes out already padded (one op, no extra copy)
+        keys = jnp.concatenate([flat, jnp.full((block_m,), num_experts, jnp.int32)])
+        return jnp.argsort(keys, stable=True).astype(jnp.int32)
+    p = jnp.arange(m, dtype=jnp.int32)
+    earlier_same = (flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None])
+    pos = start[flat] + jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # sorted row of each pair
+    pad = jnp.arange(m, m + block_m, dtype=jnp.int32)
+    return jnp.concatenate([jnp.zeros((m,), jnp.int32).at[pos].set(p, unique_indices=True), pad])

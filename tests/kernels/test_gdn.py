@@ -171,6 +171,26 @@ def test_decode_v_major_pool_is_the_transposed_state(state_dtype):
     assert rel(jnp.swapaxes(ssm_t, -1, -2)[slots], ssm[slots]) > 1e-3
 
 
+@pytest.mark.parametrize("state_dtype", [f32, jnp.bfloat16])
+def test_decode_tiles_whole_pool_shifts_conv_state_in_kernel(state_dtype):
+    """grid="tiles" over the whole pool (slots=None): the kernel itself writes the shifted conv state (no XLA
+    concatenate left in the program), exactly the reference's, with 2 value heads per key head and 2 D_v tiles."""
+    hk, hv, dk, dv, B = 2, 4, 32, 32, 3
+    x, a, b, conv, ssm, w, A_log, dt_bias = decode_inputs(11, B, B, hk, hv, dk, dv, state_dtype=state_dtype)
+    kw = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv)
+    args = (x, a, b, conv, ssm, w, A_log, dt_bias)
+    o_r, conv_r, ssm_r = ref_decode(*args, **kw)
+    tol = 1e-5 if state_dtype == f32 else 1e-2
+    for shift in ("kernel", "xla"):  # the tuning default, and the separate XLA op it replaced
+        jaxpr = str(jax.make_jaxpr(lambda *z: pallas_triton.gdn_decode_step_triton(
+            *z, **kw, interpret=True, grid="tiles", bv=16, conv_shift=shift))(*args))
+        assert ("concatenate" in jaxpr) == (shift == "xla")
+        o, conv1, ssm1 = kernel_decode(*args, grid="tiles", bv=16, conv_shift=shift, **kw)
+        assert conv1.dtype == conv.dtype and bool((conv1 == conv_r).all())
+        assert bool((conv1 != conv).any())
+        assert rel(o, o_r) <= tol and rel(ssm1, ssm_r) <= tol
+
+
 @pytest.mark.parametrize("grid", ["heads", "tiles"])
 def test_decode_without_slots_and_bf16_state_drift(grid):
     """slots=None (row i = slot i); 40 steps with a bf16 pool stay within 3e-2 of the fp32 pool."""

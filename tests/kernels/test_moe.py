@@ -143,6 +143,23 @@ def test_block_schedule_covers_every_pair_once(T, E, k, bm, routing):
     assert np.all(used[: used.sum()]), "unused blocks must come last"
 
 
+@pytest.mark.parametrize("rank", [True, False], ids=["rank", "argsort"])
+@pytest.mark.parametrize("T,E,k,routing", [(128, 256, 8, {}), (33, 16, 4, dict(force_expert=5)), (1, 8, 2, {})])
+def test_block_schedule_order_is_the_stable_expert_sort(monkeypatch, rank, T, E, k, routing):
+    """Both ways of ordering the pairs (rank count at decode sizes, argsort above RANK_MAX_PAIRS) give the stable
+    sort by expert, padded with the indices M..M+block_m-1."""
+    from kernels.moe import routing as routing_mod
+
+    monkeypatch.setattr(routing_mod, "RANK_MAX_PAIRS", 1 << 20 if rank else 0)
+    ids, _ = random_routing(_key(), T, E, k, **routing)
+    bm = 16
+    order = np.asarray(jax.jit(lambda i: expert_block_schedule(i, E, bm).order)(ids))
+    flat = np.asarray(ids).reshape(-1)
+    M = flat.size
+    want = np.concatenate([np.argsort(flat, kind="stable"), np.arange(M, M + bm)])
+    np.testing.assert_array_equal(order, want)
+
+
 def test_block_schedule_worst_case_bound_is_tight():
     """E experts with one pair each: every block holds one row, and the bound is exactly reached."""
     E, bm = 24, 8

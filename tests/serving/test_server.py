@@ -49,6 +49,18 @@ def test_health_models_metrics(server):
         assert name in text
 
 
+def test_time_to_first_audio_is_split_into_queue_wait_and_admission(server):
+    """Every first audio chunk has an admission: TTFA = queue wait + admission-to-first-audio, per request."""
+    assert post(server, {"input": "Split the wait.", "response_format": "pcm", "seed": 3,
+                         "forced_frames": 5}).status_code == 200
+    ttfa_n = metric(server, "drama3_time_to_first_audio_seconds_count")
+    admit_n = metric(server, "drama3_admit_to_first_audio_seconds_count")
+    assert ttfa_n >= 1 and admit_n == ttfa_n
+    assert metric(server, "drama3_queue_wait_seconds_count") >= ttfa_n
+    admit_s = metric(server, "drama3_admit_to_first_audio_seconds_sum")
+    assert 0 < admit_s <= metric(server, "drama3_time_to_first_audio_seconds_sum")
+
+
 def test_openai_client_gets_valid_audio(server):
     from openai import OpenAI
 
