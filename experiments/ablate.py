@@ -260,7 +260,8 @@ def run_config(talker, tok, codec, cfg: EngineConfig, timed: list[dict], warm: l
         compile_s = engine.warm_up()
         engine.start()
         warm_traces, errors = drive(engine, warm, args.streams, args.timeout) if warm else ([], [])
-        names = ("drama3_decode_step_seconds", "drama3_prefill_seconds", "drama3_codec_step_seconds")
+        names = ("drama3_decode_step_seconds", "drama3_prefill_seconds", "drama3_codec_step_seconds",
+                 "drama3_queue_wait_seconds", "drama3_admit_to_first_audio_seconds")
         before = {n: _histogram(engine, n) for n in names}
         rounds, profiled = [], {}
         for i in range(args.rounds):
@@ -307,17 +308,19 @@ def markdown(result: dict) -> str:
              f"Command: `{result['command']}`  ",
              f"Device: {result['device']} ({result['device_kind']}), jax {result['jax']}, {result['date']}  ",
              f"Protocol: {result['protocol']}  ", f"Full configuration: `{result['full_config']}`", "",
-             "| config | switched off | change | audio s/s | TTFA p50 ms | TTFA p90 ms | RTF p50 | broken | failed "
-             "| decode ms/call | ms/frame | compile s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| config | switched off | change | audio s/s | TTFA p50 ms | TTFA p90 ms | mean queue wait + admission to "
+             "first audio ms | RTF p50 | broken | failed | decode ms/call | ms/frame | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r["status"] != "ok":
             lines.append(f"| {r['name']} | {r['off']} | {r['change']} | {r['status']}: {r['reason']} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         s = r["summary"]
         lines.append(f"| {r['name']} | {r['off']} | {r['change']} | {f(s['audio_s_per_s'])} | "
-                     f"{f(s['ttfa_ms']['p50'], 0)} | {f(s['ttfa_ms']['p90'], 0)} | {f(s['rtf']['p50'], 3)} | "
+                     f"{f(s['ttfa_ms']['p50'], 0)} | {f(s['ttfa_ms']['p90'], 0)} | "
+                     f"{f(r['mean_ms'].get('queue_wait_ms'), 0)} + {f(r['mean_ms'].get('admit_to_first_audio_ms'), 0)} | "
+                     f"{f(s['rtf']['p50'], 3)} | "
                      f"{s['broken']} | {s['requests'] - s['ok']} | {f(r['mean_ms']['decode_step_ms'], 2)} | "
                      f"{f(r['decode_frame_ms'], 2)} | {f(r['compile_s'])} |")
     for r in result["rows"]:

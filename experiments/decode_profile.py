@@ -65,6 +65,9 @@ PATCHES = {
         ("kernels.moe.routing", "RANK_MAX_PAIRS", None, 0),
         ("kernels.gdn.pallas_triton", "TUNING", "decode", {"conv_shift": "xla"}),
     ]),
+    "pallas_bf16_w8a8_fused_xlashift": ("pallas_bf16_w8a8_fused", [
+        ("kernels.gdn.pallas_triton", "TUNING", "decode", {"conv_shift": "xla"}),
+    ]),
 }
 # profile categories, first match wins, on the op_name path of each kernel's HLO instruction
 CATEGORIES = ("sampling", "attention_core", "kv_write", "gdn_core", "moe_experts", "moe_in_proj", "router",
