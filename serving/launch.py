@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt-rows", type=int, default=2048)
     ap.add_argument("--max-input-chars", type=int, default=20_000)
     ap.add_argument("--frames-per-step", type=int, default=1, help="decode frames per host round trip")
-    ap.add_argument("--prefill-batch-sizes", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--prefill-batch-sizes", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--prefill-chunk", type=int, default=512, help="prompt rows per prefill call")
     ap.add_argument("--prefill-busy-streams", type=int, default=32)
     ap.add_argument("--prefill-min-batch", type=int, default=6)

@@ -57,10 +57,10 @@ def test_config_rows_compose():
 
     base = EngineConfig(max_streams=8)
     base = dataclasses.replace(base, backends=dataclasses.replace(base.backends, moe_activations="fp8"))
-    off, change = config_change(config_name("prefill_chunk_256+prefill_batch_8+moe_w8a16"))
+    off, change = config_change(config_name("prefill_chunk_256+prefill_batch_4+moe_w8a16"))
     cfg = change(base)
-    assert (cfg.prefill_chunk, cfg.prefill_batch_sizes, cfg.backends.moe_activations) == (256, (1, 4, 8), "bf16")
-    assert cfg == dataclasses.replace(base, prefill_chunk=256, prefill_batch_sizes=(1, 4, 8),
+    assert (cfg.prefill_chunk, cfg.prefill_batch_sizes, cfg.backends.moe_activations) == (256, (1, 4), "bf16")
+    assert cfg == dataclasses.replace(base, prefill_chunk=256, prefill_batch_sizes=(1, 4),
                                       backends=dataclasses.replace(base.backends, moe_activations="bf16"))
     assert off.count(";") == 2 and "256-row" in off
     assert config_change(config_name("full"))[1](base) == base
