@@ -40,7 +40,11 @@ class Backends:
     whose GEMMs' K is whole 128-column groups, on the "reference" and Pallas MoE backends.
 
     dense: the bf16 projections (kernels/dense/api.py); its Pallas kernel takes calls of at most 256 rows (decode),
-    larger ones stay on XLA's GEMM."""
+    larger ones stay on XLA's GEMM.
+
+    moe_skip_padding: in a multi-row call (prefill), the rows past each sequence's length are routed to no expert,
+    so the grouped GEMMs skip them (prompts are right-padded to whole prefill chunks); their MoE output is 0 either
+    way, and the valid rows' outputs do not change."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
@@ -49,6 +53,7 @@ class Backends:
     sampling: str = "reference"
     moe_activations: str = "bf16"
     dense: str = "reference"
+    moe_skip_padding: bool = True
 
     def __post_init__(self):
         if self.moe_activations not in ("bf16", "fp8"):
@@ -266,7 +271,8 @@ class SparseMoe(nnx.Module):
         top, ids = jax.lax.top_k(logits, self.top_k)
         return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
 
-    def __call__(self, x, *, backend: str, act_fp8: bool = False, dense: str = "reference"):
+    def __call__(self, x, *, backend: str, act_fp8: bool = False, dense: str = "reference", valid=None):
+        """x [..., H]; valid: bool of x's leading shape or None (see Backends.moe_skip_padding)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         se = self.shared_expert
@@ -291,7 +297,8 @@ class SparseMoe(nnx.Module):
             w8a8 = (act_fp8 and weights.is_fp8 and weights.block == (ACT_GROUP, ACT_GROUP)
                     and xf.shape[-1] % ACT_GROUP == 0 and I % ACT_GROUP == 0)
             options = {"act_fp8": True} if w8a8 else {}
-            routed = moe_experts(xf, ids, w, weights, backend=backend, **options)
+            routed = moe_experts(xf, ids, w, weights, backend=backend,
+                                 valid=None if valid is None else valid.reshape(-1), **options)
         with jax.named_scope("shared_expert"):
             shared = se.down_proj(swiglu(sh_gate, sh_up), dense)
             sg = jax.nn.sigmoid(sg.astype(jnp.float32))
@@ -361,6 +368,7 @@ class Drama3Backbone(nnx.Module):
         start = cache.lengths[:B]
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         x = self.embed_rows(rows)
+        valid = (jnp.arange(T)[None, :] < new_lengths[:, None]) if T > 1 and backends.moe_skip_padding else None
         ks, vs, convs, ssms = list(cache.k), list(cache.v), list(cache.conv), list(cache.ssm)
         fi = li = 0
         for layer in self.model.language_model.layers:
@@ -375,7 +383,7 @@ class Drama3Backbone(nnx.Module):
                 li += 1
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x), backend=backends.moe,
-                              act_fp8=backends.moe_activations == "fp8", dense=backends.dense)
+                              act_fp8=backends.moe_activations == "fp8", dense=backends.dense, valid=valid)
         x = self.model.language_model.norm(x)
         return x, BackboneCache(k=ks, v=vs, conv=convs, ssm=ssms,
                                 lengths=cache.lengths.at[:B].set(start + new_lengths.astype(jnp.int32)))

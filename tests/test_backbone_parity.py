@@ -268,3 +268,31 @@ def test_dense_backend_in_the_model(jax_fp32, tiny_cfg, monkeypatch):
     for ref, got in zip(*out):
         assert np.isfinite(ref).all()
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("moe", ["reference", "pallas_triton"])
+def test_moe_skips_prompt_padding_without_changing_the_prompt(jax_fp32, tiny_cfg, moe):
+    """Backends.moe_skip_padding (the default): a right-padded prefill routes its padding rows to no expert; the
+    valid rows' hidden states, the caches' lengths and GDN states, and the next decode step are exactly as without it."""
+    import dataclasses
+
+    from drama3_jax.backbone import Backends
+
+    rows = jnp.asarray(random_rows(tiny_cfg, 3, 24, seed=7, semantic_from=6))
+    lengths = jnp.asarray([24, 11, 2], jnp.int32)
+    nxt = jnp.asarray(random_rows(tiny_cfg, 3, 1, seed=8, semantic_from=0))
+    out = {}
+    for skip in (True, False):
+        b = dataclasses.replace(Backends(), moe=moe, moe_skip_padding=skip)
+        cache = init_cache(jax_fp32.cfg.text, 3, 32, jnp.float32)
+        h, cache = jax_fp32.forward(rows, cache, lengths, fresh=True, backends=b)
+        step, _ = jax_fp32.forward(nxt, cache, jnp.ones(3, jnp.int32), backends=b)
+        out[skip] = (np.asarray(h), cache, np.asarray(step))
+    (h1, c1, s1), (h0, c0, s0) = out[True], out[False]
+    for i, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_array_equal(h1[i, :n], h0[i, :n])
+    np.testing.assert_array_equal(np.asarray(c1.lengths), np.asarray(c0.lengths))
+    for a, b in zip(c1.ssm + c1.conv, c0.ssm + c0.conv):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(s1, s0)
+    assert np.isfinite(h1).all() and not np.array_equal(h1, h0)  # padding rows differ: the mask is really on

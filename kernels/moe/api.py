@@ -29,10 +29,13 @@ BACKENDS = {
 BACKENDS["pallas"] = BACKENDS["pallas_triton"]
 
 
-def moe_experts(x, topk_ids, topk_weights, weights: ExpertWeights, *, backend: str = "reference", **options):
-    """Routed-expert output of one layer. x [T, H]; topk_ids/topk_weights [T, k]; returns [T, H] in x.dtype."""
+def moe_experts(x, topk_ids, topk_weights, weights: ExpertWeights, *, backend: str = "reference", valid=None,
+                **options):
+    """Routed-expert output of one layer. x [T, H]; topk_ids/topk_weights [T, k]; returns [T, H] in x.dtype.
+    valid [T] bool (None: every row): rows marked False (padding) get 0, and a backend may skip their work (the
+    Pallas one does)."""
     fn = pick_backend(BACKENDS, backend, "MoE", auto="pallas_triton")
-    return fn(x, topk_ids, topk_weights, weights, **options)
+    return fn(x, topk_ids, topk_weights, weights, valid=valid, **options)
 
 
 __all__ = ["ExpertWeights", "moe_experts", "BACKENDS"]

@@ -289,10 +289,13 @@ def _default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
-def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, config: TritonMoeConfig | None = None,
-                              act_fp8: bool = False, interpret: bool | None = None, y_init=None,
-                              return_y: bool = False):
+def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, valid=None,
+                              config: TritonMoeConfig | None = None, act_fp8: bool = False,
+                              interpret: bool | None = None, y_init=None, return_y: bool = False):
     """Routed-expert layer (see module doc). x [T, H]; topk_ids/topk_weights [T, k]; returns [T, H] in x.dtype.
+
+    valid [T] bool (None: every row): rows marked False (prompt padding) are routed to no expert, so the grouped
+    GEMMs skip their pairs (the grid's unused blocks exit at once), and their output is 0.
 
     act_fp8: W8A8 (FP8 weights only), with the W8A8 rows of the tuning table unless `config` is given.
     interpret=None runs the real kernel on GPU and Pallas interpret mode elsewhere."""
@@ -301,6 +304,8 @@ def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, co
     cfg = config or pick(TRITON_TABLE, T * k, w.is_fp8, act_fp8)
     if interpret is None:
         interpret = _default_interpret()
+    if valid is not None:
+        topk_ids = jnp.where(valid[:, None], topk_ids, w.num_experts)
     sched = expert_block_schedule(topk_ids, w.num_experts, cfg.block_m)
     xb = x.astype(jnp.bfloat16)
     x_scale = act_scale = None
@@ -313,4 +318,6 @@ def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, co
     y = down_weighted_grouped(act, sched, topk_weights.reshape(-1), w, cfg, y_init=y_init, act_fp8=act_fp8,
                               act_scale=act_scale, interpret=interpret)
     out = jnp.sum(y[: T * k].reshape(T, k, H).astype(_F32), axis=1).astype(x.dtype)
+    if valid is not None:  # the skipped pairs' rows of y were never written
+        out = jnp.where(valid[:, None], out, 0)
     return (out, y) if return_y else out

@@ -1,6 +1,7 @@
 """Plain-jnp routed experts: every (token, k) pair gathers its expert's weights (dequantising only those).
 
-x [T, H]; topk_ids [T, k] int32; topk_weights [T, k] (already renormalised); returns [T, H] in x.dtype.
+x [T, H]; topk_ids [T, k] int32; topk_weights [T, k] (already renormalised); valid [T] bool or None (rows marked
+False get 0); returns [T, H] in x.dtype.
 y_t = sum_j w_tj * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]; accumulation in fp32.
 act_fp8 (W8A8, FP8 weights only): x and the bf16 SwiGLU output are quantised to e4m3 per (row, 128 columns) before
 each GEMM (kernels/moe/quant.py), and the GEMMs run in fp32 on the dequantised values.
@@ -26,7 +27,7 @@ def gathered_weight(w, scale, ids, block, dtype):
     return (g.astype(jnp.float32) * s).astype(dtype)
 
 
-def moe_experts_reference(x, topk_ids, topk_weights, w: ExpertWeights, *, act_fp8: bool = False):
+def moe_experts_reference(x, topk_ids, topk_weights, w: ExpertWeights, *, valid=None, act_fp8: bool = False):
     if act_fp8 and not w.is_fp8:
         raise ValueError("act_fp8 (W8A8) needs FP8 expert weights")
     cdt = jnp.float32 if (x.dtype == jnp.float32 or act_fp8) else jnp.bfloat16
@@ -41,4 +42,6 @@ def moe_experts_reference(x, topk_ids, topk_weights, w: ExpertWeights, *, act_fp
         act = fake_quantize_groups_fp8(act.astype(jnp.bfloat16))
     y = jnp.einsum("tki,tkhi->tkh", act, d, preferred_element_type=jnp.float32)
     y = jnp.sum(y * topk_weights.astype(jnp.float32)[..., None], axis=1)
+    if valid is not None:
+        y = jnp.where(valid[:, None], y, 0)
     return y.astype(x.dtype)

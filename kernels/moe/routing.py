@@ -55,7 +55,8 @@ def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def expert_block_schedule(topk_ids: jax.Array, num_experts: int, block_m: int) -> BlockSchedule:
-    """Block schedule for topk_ids [T, k] (int, values in [0, E)). All shapes static."""
+    """Block schedule for topk_ids [T, k] (int, values in [0, E]; E = routed nowhere: the pair is in no block, and
+    sorts after every routed one). All shapes static."""
     flat = topk_ids.reshape(-1).astype(jnp.int32)
     m = flat.shape[0]
     nb = max_row_blocks(m, num_experts, block_m)
@@ -84,7 +85,7 @@ def expert_block_schedule(topk_ids: jax.Array, num_experts: int, block_m: int) -
 
 def _expert_order(flat: jax.Array, start: jax.Array, num_experts: int, block_m: int) -> jax.Array:
     """Pair indices [M + block_m] stably sorted by expert, then the block_m padding indices M..M+block_m-1.
-    flat [M] expert ids; start [E] first sorted row of each expert."""
+    flat [M] expert ids in [0, E]; start [E] first sorted row of each expert (pairs with id E come after them all)."""
     m = flat.shape[0]
     if m > RANK_MAX_PAIRS:
         # sort block_m sentinel keys (= E) along, so `order` comes out already padded (one op, no extra copy)
@@ -92,6 +93,8 @@ def _expert_order(flat: jax.Array, start: jax.Array, num_experts: int, block_m: 
         return jnp.argsort(keys, stable=True).astype(jnp.int32)
     p = jnp.arange(m, dtype=jnp.int32)
     earlier_same = (flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None])
+    routed = jnp.sum(flat < num_experts, dtype=jnp.int32)
+    start = jnp.concatenate([start, routed[None]])  # id E: after every routed pair
     pos = start[flat] + jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # sorted row of each pair
     pad = jnp.arange(m, m + block_m, dtype=jnp.int32)
     return jnp.concatenate([jnp.zeros((m,), jnp.int32).at[pos].set(p, unique_indices=True), pad])

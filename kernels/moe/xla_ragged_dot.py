@@ -10,7 +10,7 @@ from kernels.moe.weights import ExpertWeights
 from kernels.moe.reference import gathered_weight
 
 
-def moe_experts_ragged_dot(x, topk_ids, topk_weights, w: ExpertWeights):
+def moe_experts_ragged_dot(x, topk_ids, topk_weights, w: ExpertWeights, *, valid=None):
     T, H = x.shape
     k = topk_ids.shape[1]
     E = w.num_experts
@@ -31,4 +31,6 @@ def moe_experts_ragged_dot(x, topk_ids, topk_weights, w: ExpertWeights):
     y = jax.lax.ragged_dot(act, d, group_sizes, preferred_element_type=jnp.float32)
     y = y * topk_weights.reshape(-1)[order].astype(jnp.float32)[:, None]
     out = jnp.zeros((T, H), jnp.float32).at[token].add(y)
+    if valid is not None:
+        out = jnp.where(valid[:, None], out, 0)
     return out.astype(x.dtype)

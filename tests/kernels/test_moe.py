@@ -144,20 +144,45 @@ def test_block_schedule_covers_every_pair_once(T, E, k, bm, routing):
 
 
 @pytest.mark.parametrize("rank", [True, False], ids=["rank", "argsort"])
-@pytest.mark.parametrize("T,E,k,routing", [(128, 256, 8, {}), (33, 16, 4, dict(force_expert=5)), (1, 8, 2, {})])
-def test_block_schedule_order_is_the_stable_expert_sort(monkeypatch, rank, T, E, k, routing):
+@pytest.mark.parametrize("T,E,k,routing,masked", [(128, 256, 8, {}, 0), (33, 16, 4, dict(force_expert=5), 0),
+                                                  (1, 8, 2, {}, 0), (40, 16, 4, {}, 13), (6, 8, 2, {}, 6)])
+def test_block_schedule_order_is_the_stable_expert_sort(monkeypatch, rank, T, E, k, routing, masked):
     """Both ways of ordering the pairs (rank count at decode sizes, argsort above RANK_MAX_PAIRS) give the stable
-    sort by expert, padded with the indices M..M+block_m-1."""
+    sort by expert, padded with the indices M..M+block_m-1; pairs routed nowhere (id E, here the last `masked`
+    tokens) sort after every routed pair and are in no block."""
     from kernels.moe import routing as routing_mod
 
     monkeypatch.setattr(routing_mod, "RANK_MAX_PAIRS", 1 << 20 if rank else 0)
     ids, _ = random_routing(_key(), T, E, k, **routing)
+    ids = ids.at[T - masked:].set(E)
     bm = 16
-    order = np.asarray(jax.jit(lambda i: expert_block_schedule(i, E, bm).order)(ids))
+    s = jax.jit(lambda i: expert_block_schedule(i, E, bm))(ids)
     flat = np.asarray(ids).reshape(-1)
     M = flat.size
     want = np.concatenate([np.argsort(flat, kind="stable"), np.arange(M, M + bm)])
-    np.testing.assert_array_equal(order, want)
+    np.testing.assert_array_equal(np.asarray(s.order), want)
+    assert int(np.asarray(s.block_rows).sum()) == (T - masked) * k
+
+
+@pytest.mark.parametrize("backend", ["pallas_triton", "reference", "xla_ragged_dot"])
+def test_padding_rows_are_skipped_and_zero(backend):
+    """valid=False rows (prompt padding) come out 0 and the valid rows exactly as without the mask; the Pallas
+    backend routes the padding rows to no expert, so no (token, slot) row of theirs is computed."""
+    T, E, k = 29, 16, 4
+    x, ids, tw, w = _inputs(T, E, k, fp8=True)
+    valid = jnp.arange(T) < 17
+    opts = dict(config=CFG, interpret=True) if backend == "pallas_triton" else {}
+    full = api.moe_experts(x, ids, tw, w, backend=backend, **opts)
+    out = api.moe_experts(x, ids, tw, w, backend=backend, valid=valid, **opts)
+    assert bool((out[17:] == 0).all()) and bool((out[:17] == full[:17]).all())
+    assert float(jnp.abs(out[:17].astype(jnp.float32)).max()) > 0
+    if backend == "pallas_triton":  # the padding rows' pairs are never written (the poison stays)
+        M = T * k
+        y_init = jnp.full((M + CFG.block_m, H), jnp.nan, jnp.bfloat16)
+        _, y = moe_experts_pallas_triton(x, ids, tw, w, valid=valid, config=CFG, interpret=True, y_init=y_init,
+                                         return_y=True)
+        written = np.isfinite(np.asarray(y[:M].astype(jnp.float32))).all(axis=1)
+        np.testing.assert_array_equal(written, np.repeat(np.asarray(valid), k))
 
 
 def test_block_schedule_worst_case_bound_is_tight():

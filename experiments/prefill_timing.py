@@ -1,0 +1,169 @@
+"""Prefill call time of the talker: what the serving engine pays per batch of admitted prompts.
+
+    python experiments/prefill_timing.py --out DIR [--batch 1 4 8] [--chunk 512] [--variants default no_skip]
+        [--preset full|tiny] [--calls 5]
+
+Each variant runs the engine's `Prefiller` (fresh caches, `--chunk`-row chunks, bf16 GDN state, the engine's kernel
+backends and fused projections) on batches of B prompts whose lengths are those of the benchmark's synthetic English
+set (`serving.bench.dataset.synthetic`, seed 0, built into prompt rows by the server's own prompt builder); the rows'
+contents are random. Timed: the whole call (chunk calls + the start state), synchronised, median of `--calls` after
+one warm-up call, a new batch of prompts each call. Variants:
+  default   the engine's backends (W8A8 experts, Pallas kernels, padding rows skipped by the MoE)
+  no_skip   the same with Backends.moe_skip_padding off: padding rows go through the routed experts too
+The roofline of a call is the larger of (every weight read once) / 4.2 TB/s and (2 x active parameters x valid
+rows) / 780 TFLOP/s; attention and the GDN recurrence are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from drama3_jax.backbone import Backends, default_moe_activations
+from drama3_jax.config import preset
+from drama3_jax.generate import Prefiller, RequestSampling
+from drama3_jax.prompt import build_prompt
+from drama3_jax.random_init import random_talker
+from drama3_jax.sampling import SamplingParams
+from drama3_jax.tokenizer import load_tokenizer, write_synthetic_tokenizer
+from experiments.common import command_line, guard, log, save_json
+from serving.bench.dataset import synthetic
+
+HBM_BYTES_PER_S, FLOPS_PER_S = 4.2e12, 780e12
+
+
+def variants(cfg) -> dict[str, Backends]:
+    base = dataclasses.replace(Backends.auto(), moe_activations=default_moe_activations(cfg))
+    return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False)}
+
+
+def prompt_lengths(cfg, n: int) -> np.ndarray:
+    """Row counts of the first n prompts of the synthetic benchmark set, as the server builds them."""
+    tmp = tempfile.mkdtemp(prefix="prefill-timing-")
+    write_synthetic_tokenizer(tmp, cfg)
+    tok = load_tokenizer(tmp, cfg)
+    sizes = (cfg.band_size, cfg.tower.vocab_size)
+    return np.array([len(build_prompt(tok, cfg, r.text, [(np.asarray(r.ref_audio_codes), r.ref_text)]))
+                     for r in synthetic(n, 0, sizes)])
+
+
+def active_params(model) -> tuple[float, float]:
+    """(bytes of all weights, parameters used per token: the dense ones + top-k / E of the routed experts')."""
+    cfg = model.cfg.text
+    total_bytes, dense, experts = 0, 0, 0
+    for path, x in jax.tree_util.tree_leaves_with_path(nnx.state(model)):
+        total_bytes += x.size * x.dtype.itemsize
+        if "scale" in jax.tree_util.keystr(path):
+            continue
+        if "experts" in jax.tree_util.keystr(path) and "shared" not in jax.tree_util.keystr(path):
+            experts += x.size
+        else:
+            dense += x.size
+    return float(total_bytes), dense + experts * cfg.num_experts_per_tok / cfg.num_experts
+
+
+def batch_rows(cfg, lengths: np.ndarray, chunk: int, rng) -> np.ndarray:
+    """Random prompt rows [B, T, 1+K] (T: the longest length rounded up to the chunk), valid up to each length."""
+    T = -(-int(lengths.max()) // chunk) * chunk
+    rows = np.zeros((len(lengths), T, cfg.row_width), np.int32)
+    rows[..., 0] = rng.integers(0, cfg.text.vocab_size, rows.shape[:2])
+    rows[..., 1:] = rng.integers(0, cfg.tower.vocab_size, rows.shape[:2] + (cfg.row_width - 1,))
+    return rows
+
+
+def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarray, calls: int, max_len: int):
+    prefiller = Prefiller(model, max_len, chunk, backends, state_dtype=jnp.bfloat16)
+    sampling = RequestSampling.make([SamplingParams()] * batch, list(range(batch)))
+    rng = np.random.default_rng(batch)
+    times, valid = [], []
+    t = time.time()
+    for i in range(calls + 1):
+        lens = lengths[(i * batch + np.arange(batch)) % len(lengths)]
+        rows = batch_rows(cfg, lens, chunk, rng)
+        t0 = time.perf_counter()
+        jax.block_until_ready(prefiller(rows, lens, sampling))
+        if i == 0:
+            compile_s = time.time() - t
+            continue
+        times.append(time.perf_counter() - t0)
+        valid.append(int(lens.sum()))
+    return {"ms": 1e3 * float(np.median(times)), "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times),
+            "valid_rows": float(np.mean(valid)), "padded_rows": batch * chunk * -(-int(lengths.max()) // chunk),
+            "compile_s": round(compile_s, 1)}
+
+
+def write_markdown(R: dict, path: str):
+    lines = [f"# Prefill call time ({R['preset']} talker, {R['device']}, jax {R['jax']}, {R['date']})", "",
+             f"Command: `{R['command']}`  ",
+             f"Prompt lengths: the synthetic set's first {R['prompts']} prompts, {R['length_min']}-{R['length_max']} "
+             f"rows (mean {R['length_mean']:.0f}); {R['chunk']}-row chunks. Roofline: max(weights {R['weight_gb']:.1f} "
+             f"GB / 4.2 TB/s, 2 x {R['active_params_b']:.2f} B active params x valid rows / 780 TFLOP/s).", "",
+             "| variant | prompts per call | ms per call (median) | min / max | valid rows per call | valid rows/s | "
+             "roofline ms | % of roofline | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in R["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['error']} | | | | | | |")
+            continue
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['ms']:.2f} | {r['ms_min']:.2f} / {r['ms_max']:.2f} | "
+                     f"{r['valid_rows']:.0f} | {1e3 * r['valid_rows'] / r['ms']:,.0f} | {r['roofline_ms']:.2f} | "
+                     f"{100 * r['roofline_ms'] / r['ms']:.0f}% | {r['compile_s']} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--preset", default="full")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--variants", nargs="+", default=["default", "no_skip"], choices=["default", "no_skip"])
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--prompts", type=int, default=64, help="prompts of the synthetic set whose lengths are used")
+    ap.add_argument("--max-len", type=int, default=1026, help="cache rows per prompt (the server's default)")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    cfg = preset(args.preset)
+    lengths = prompt_lengths(cfg, args.prompts)
+    t = time.time()
+    model = random_talker(cfg, 0).fuse_projections()
+    weight_bytes, active = active_params(model)
+    log(f"talker built in {time.time() - t:.1f} s: {weight_bytes / 2**30:.1f} GiB, {active / 1e9:.2f} B active params")
+    R = {"command": command_line(args.out), "device": str(jax.devices()[0]), "jax": jax.__version__,
+         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "preset": args.preset, "chunk": args.chunk,
+         "prompts": args.prompts, "length_min": int(lengths.min()), "length_max": int(lengths.max()),
+         "length_mean": float(lengths.mean()), "weight_gb": weight_bytes / 1e9, "active_params_b": active / 1e9,
+         "rows": []}
+    errors: list = []
+    for name in args.variants:
+        backends = variants(cfg)[name]
+        for b in args.batch:
+            row = {"variant": name, "batch": b, "backends": dataclasses.asdict(backends)}
+            res = guard(errors, f"{name} batch {b}", time_variant, model, cfg, backends, b, args.chunk, lengths,
+                        args.calls, args.max_len)
+            if res is None:
+                row["error"] = errors[-1][:200]
+            else:
+                row.update(res)
+                row["roofline_ms"] = 1e3 * max(weight_bytes / HBM_BYTES_PER_S,
+                                               2 * active * res["valid_rows"] / FLOPS_PER_S)
+            R["rows"].append(row)
+            log({k: v for k, v in row.items() if k != "backends"})
+            save_json(R, os.path.join(args.out, "prefill_timing.json"))
+    write_markdown(R, os.path.join(args.out, "prefill_timing.md"))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""experiments/prefill_timing.py on the tiny preset (CPU): both variants time every batch size, with a roofline."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import prefill_timing
+
+
+def test_prefill_timing_table(tmp_path):
+    rc = prefill_timing.main(["--out", str(tmp_path), "--preset", "tiny", "--batch", "1", "2", "--chunk", "256",
+                              "--calls", "1", "--prompts", "3", "--max-len", "520"])
+    assert rc == 0
+    R = json.loads((tmp_path / "prefill_timing.json").read_text())
+    assert [(r["variant"], r["batch"]) for r in R["rows"]] == [("default", 1), ("default", 2), ("no_skip", 1),
+                                                                ("no_skip", 2)]
+    assert 150 < R["length_mean"] < 500  # the synthetic set's prompts, built by the server's prompt builder
+    for r in R["rows"]:
+        assert "error" not in r, r.get("error")
+        assert r["ms"] > 0 and r["roofline_ms"] > 0 and 0 < r["valid_rows"] <= r["padded_rows"]
+    assert R["rows"][0]["backends"]["moe_skip_padding"] and not R["rows"][2]["backends"]["moe_skip_padding"]
+    assert "| no_skip | 2 |" in (tmp_path / "prefill_timing.md").read_text()
