@@ -102,6 +102,7 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "moe_xla": ("Pallas MoE -> XLA ragged_dot", _backends(moe="xla_ragged_dot")),
     "moe_w8a16": ("routed experts W8A8 (FP8 activations per token and 128 columns, the checkpoint's dynamic scheme) "
                   "-> W8A16 (bf16 activations)", _backends(moe_activations="bf16")),
+    "moe_padding": ("MoE skips the prompt padding of a prefill -> computes it", _backends(moe_skip_padding=False)),
     "sampling_ref": ("fused sampling kernel -> sort-based reference", _backends(sampling="reference")),
     "ssm_fp32": ("bf16 GDN state -> fp32", lambda c: dataclasses.replace(c, ssm_state_dtype="float32")),
     "four_frames": ("one frame per host call (the server default, pipelined) -> 4 frames per call (multi-frame "

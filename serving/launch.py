@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GDN recurrent-state dtype (default: the checkpoint's mamba_ssm_dtype)")
     ap.add_argument("--kernels", default="auto", choices=["auto", "reference"],
                     help="auto: Pallas kernels (MoE, GDN, sampling) on GPU, plain-jnp references elsewhere")
+    ap.add_argument("--moe-compute-padding", action="store_true",
+                    help="route a prefill's padding rows through the experts too (by default they are skipped)")
     ap.add_argument("--moe-activations", default="auto", choices=["auto", "bf16", "fp8"],
                     help="routed experts with FP8 weights: FP8 activations quantised per token and 128 columns (fp8: "
                          "W8A8 on FP8 tensor cores), or bf16 activations (W8A16); auto: fp8 when the checkpoint's "
@@ -184,7 +186,8 @@ def main(argv=None):
                        encode_warmup=args.encode_warmup,
                        benchmark_mode=args.benchmark_mode, dtype=args.dtype, ssm_state_dtype=args.ssm_state_dtype,
                        backends=dataclasses.replace(Backends.auto() if args.kernels == "auto" else Backends(),
-                                                    moe_activations=moe_activations))
+                                                    moe_activations=moe_activations,
+                                                    moe_skip_padding=not args.moe_compute_padding))
     engine = Engine(talker, tok, codec, cfg, metrics)
     voices = VoiceStore(args.voices_dir or tempfile.mkdtemp(prefix="drama3-voices-"))
     resolver = ReferenceResolver(codec, talker.cfg, args.allowed_local_media_path, cfg.encode_bucket_frames)
