@@ -116,9 +116,11 @@ def prefill_chunk(model: Drama3Model, cache: ModelCache, h_last, rows, next_rows
     C = rows.shape[1]
     n_backbone = jnp.clip(lengths - offset, 0, C).astype(jnp.int32)
     n_tower = jnp.clip(lengths - 1 - offset, 0, C).astype(jnp.int32)
-    hidden, bcache = model.forward(rows, cache.backbone, n_backbone, backends=backends)
-    _, _, tcache = model.tower(hidden, next_rows[..., 0], rows, cache.tower, n_tower,
-                               lambda i, _: next_rows[..., 2 + i], backends=backends, compute_heads=False)
+    with jax.named_scope("backbone"):  # the decode step's profile categories (experiments/decode_profile.py)
+        hidden, bcache = model.forward(rows, cache.backbone, n_backbone, backends=backends)
+    with jax.named_scope("tower"):
+        _, _, tcache = model.tower(hidden, next_rows[..., 0], rows, cache.tower, n_tower,
+                                   lambda i, _: next_rows[..., 2 + i], backends=backends, compute_heads=False)
     idx = lengths - 1 - offset
     seen = (idx >= 0) & (idx < C)
     h = jnp.take_along_axis(hidden, jnp.clip(idx, 0, C - 1)[:, None, None], axis=1)[:, 0]
@@ -144,6 +146,7 @@ class Prefiller:
         self._param_leaves, param_tree = jax.tree.flatten(self.params)  # a flat list dispatches faster than a State
         self.chunk = chunk
         cfg = model.cfg
+        self.row_width = cfg.row_width
         dtype = cache_dtype or model.lm_head.weight[...].dtype
 
         def prefill_init(b):  # named functions: the profiler reports device time by jitted module name
@@ -156,6 +159,13 @@ class Prefiller:
         self._init = jax.jit(prefill_init, static_argnums=0)
         self._chunk = jax.jit(prefill_step, donate_argnums=(1, 2) if jax.default_backend() != "cpu" else ())
         self._start = jax.jit(start_state)
+
+    def chunk_hlo(self, batch: int) -> str:
+        """Compiled HLO text of one chunk call at this batch size (module `jit_prefill_step`; for profiles)."""
+        cache, h = self._init(batch)
+        rows = jnp.zeros((batch, self.chunk, self.row_width), jnp.int32)
+        return self._chunk.lower(self._param_leaves, cache, h, rows, rows, jnp.int32(0),
+                                 jnp.full((batch,), 2, jnp.int32)).compile().as_text()
 
     def __call__(self, rows: np.ndarray, lengths: np.ndarray, sampling: RequestSampling) -> DecodeState:
         """rows [B, T, 1+K] int32 (T a multiple of `chunk`), lengths [B] >= 2. Only fixed-shape pieces ([B, chunk, 1+K]

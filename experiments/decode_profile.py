@@ -208,20 +208,38 @@ def gpu_kernel_events(trace_dir: str) -> list[dict]:
 
 
 def profile(step, params, state, hlo_text: str, n_steps: int, trace_dir: str) -> dict:
-    names = op_names_from_hlo(hlo_text)
-    for _ in range(3):
+    """Device time of `n_steps` decode steps by category and op (ms per step), after 3 warm-up steps."""
+    def run():
+        nonlocal state
         row, state = step(params, state)
-    jax.block_until_ready(row)
+        return row
+
+    p = profile_calls(run, hlo_text, n_steps, trace_dir, warmup=3)
+    return {k.replace("_per_call", "_per_step"): v for k, v in p.items()}
+
+
+def profile_calls(run, hlo_text: str, n_calls: int, trace_dir: str, *, warmup: int = 1,
+                  module: str | None = None) -> dict:
+    """Profile `n_calls` of run() (which returns something to block on) after `warmup` calls: GPU kernel time per call
+    by category (the name scopes of `hlo_text`'s ops), by op and by name-scope path. With `module`, kernels of other
+    jitted modules (e.g. a prefill's cache set-up) are summed apart as "other_modules_ms_per_call"."""
+    names = op_names_from_hlo(hlo_text)
+    for _ in range(warmup):
+        jax.block_until_ready(run())
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(n_steps):
-            row, state = step(params, state)
-        jax.block_until_ready(row)
+        for _ in range(n_calls):
+            out = run()
+        jax.block_until_ready(out)
     events = gpu_kernel_events(trace_dir)
-    per_cat, per_op, unattributed = defaultdict(float), defaultdict(float), 0.0
-    per_scope = defaultdict(lambda: [0.0, 0])  # op_name path (same for every layer) -> [ms per step, kernels per step]
+    per_cat, per_op, unattributed, other_modules = defaultdict(float), defaultdict(float), 0.0, 0.0
+    per_scope = defaultdict(lambda: [0.0, 0])  # op_name path (same for every layer) -> [ms, kernels] per call
     for e in events:
-        hlo_op = e.get("args", {}).get("hlo_op", "")
-        dur = e["dur"] / 1e3 / n_steps  # us -> ms per step
+        args = e.get("args", {})
+        dur = e["dur"] / 1e3 / n_calls  # us -> ms per call
+        if module is not None and module not in str(args.get("hlo_module", module)):
+            other_modules += dur
+            continue
+        hlo_op = args.get("hlo_op", "")
         op_name = names.get(hlo_op)
         if op_name is None:
             unattributed += dur
@@ -230,12 +248,15 @@ def profile(step, params, state, hlo_text: str, n_steps: int, trace_dir: str) ->
         per_cat[category_of(op_name)] += dur
         per_op[f"{hlo_op} {op_name[-80:]}"] += dur
         per_scope[op_name][0] += dur
-        per_scope[op_name][1] += 1 / n_steps
-    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / n_steps if events else 0
+        per_scope[op_name][1] += 1 / n_calls
+    span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / n_calls if events else 0
     top = sorted(per_op.items(), key=lambda kv: -kv[1])[:40]
     scopes = sorted(([k, round(v[0], 5), round(v[1], 2)] for k, v in per_scope.items()), key=lambda r: -r[1])
-    return {"kernel_ms_per_step": dict(per_cat), "unattributed_ms_per_step": unattributed,
-            "gpu_span_ms_per_step": span, "n_events": len(events), "top_ops": top, "by_scope": scopes[:80]}
+    out = {"kernel_ms_per_call": dict(per_cat), "unattributed_ms_per_call": unattributed,
+           "gpu_span_ms_per_call": span, "n_events": len(events), "top_ops": top, "by_scope": scopes[:80]}
+    if module is not None:
+        out["other_modules_ms_per_call"] = other_modules
+    return out
 
 
 def main(argv=None):

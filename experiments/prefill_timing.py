@@ -1,7 +1,7 @@
 """Prefill call time of the talker: what the serving engine pays per batch of admitted prompts.
 
     python experiments/prefill_timing.py --out DIR [--batch 1 4 8] [--chunk 512] [--variants default no_skip]
-        [--preset full|tiny] [--calls 5]
+        [--preset full|tiny] [--calls 5] [--profile-calls 2]
 
 Each variant runs the engine's `Prefiller` (fresh caches, `--chunk`-row chunks, bf16 GDN state, the engine's kernel
 backends and fused projections) on batches of B prompts whose lengths are those of the benchmark's synthetic English
@@ -11,7 +11,10 @@ one warm-up call, a new batch of prompts each call. Variants:
   default   the engine's backends (W8A8 experts, Pallas kernels, padding rows skipped by the MoE)
   no_skip   the same with Backends.moe_skip_padding off: padding rows go through the routed experts too
 The roofline of a call is the larger of (every weight read once) / 4.2 TB/s and (2 x active parameters x valid
-rows) / 780 TFLOP/s; attention and the GDN recurrence are not counted.
+rows) / 780 TFLOP/s; attention and the GDN recurrence are not counted. With --profile-calls N > 0, N more calls
+run under the profiler: GPU kernel time per call by category (the decode profile's name scopes:
+experiments/decode_profile.py), with the chunk module's kernels attributed and the rest (cache set-up, start
+state) summed apart. For a per-kernel split on the H200, run with XLA_FLAGS=--xla_gpu_enable_command_buffer=.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from drama3_jax.random_init import random_talker
 from drama3_jax.sampling import SamplingParams
 from drama3_jax.tokenizer import load_tokenizer, write_synthetic_tokenizer
 from experiments.common import command_line, guard, log, save_json
+from experiments.decode_profile import profile_calls
 from serving.bench.dataset import synthetic
 
 HBM_BYTES_PER_S, FLOPS_PER_S = 4.2e12, 780e12
@@ -82,7 +86,8 @@ def batch_rows(cfg, lengths: np.ndarray, chunk: int, rng) -> np.ndarray:
     return rows
 
 
-def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarray, calls: int, max_len: int):
+def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarray, calls: int, max_len: int,
+                 profile_n: int = 0, trace_dir: str = ""):
     prefiller = Prefiller(model, max_len, chunk, backends, state_dtype=jnp.bfloat16)
     sampling = RequestSampling.make([SamplingParams()] * batch, list(range(batch)))
     rng = np.random.default_rng(batch)
@@ -98,9 +103,15 @@ def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarr
             continue
         times.append(time.perf_counter() - t0)
         valid.append(int(lens.sum()))
-    return {"ms": 1e3 * float(np.median(times)), "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times),
-            "valid_rows": float(np.mean(valid)), "padded_rows": batch * chunk * -(-int(lengths.max()) // chunk),
-            "compile_s": round(compile_s, 1)}
+    out = {"ms": 1e3 * float(np.median(times)), "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times),
+           "valid_rows": float(np.mean(valid)), "padded_rows": batch * chunk * -(-int(lengths.max()) // chunk),
+           "compile_s": round(compile_s, 1)}
+    if profile_n:
+        lens = lengths[np.arange(batch) % len(lengths)]
+        rows = batch_rows(cfg, lens, chunk, rng)
+        out["profile"] = profile_calls(lambda: prefiller(rows, lens, sampling), prefiller.chunk_hlo(batch), profile_n,
+                                       trace_dir, module="prefill_step")
+    return out
 
 
 def write_markdown(R: dict, path: str):
@@ -118,6 +129,17 @@ def write_markdown(R: dict, path: str):
         lines.append(f"| {r['variant']} | {r['batch']} | {r['ms']:.2f} | {r['ms_min']:.2f} / {r['ms_max']:.2f} | "
                      f"{r['valid_rows']:.0f} | {1e3 * r['valid_rows'] / r['ms']:,.0f} | {r['roofline_ms']:.2f} | "
                      f"{100 * r['roofline_ms'] / r['ms']:.0f}% | {r['compile_s']} |")
+    profiled = [r for r in R["rows"] if "profile" in r]
+    if profiled:
+        cats = sorted({c for r in profiled for c in r["profile"]["kernel_ms_per_call"]})
+        lines += ["", "GPU kernel ms per call by category (profiled calls; 'other modules': cache set-up and start "
+                  "state):", "", "| variant | prompts | " + " | ".join(cats) + " | unattributed | other modules |",
+                  "|---|---|" + "---|" * (len(cats) + 2)]
+        for r in profiled:
+            p = r["profile"]
+            lines.append(f"| {r['variant']} | {r['batch']} | "
+                         + " | ".join(f"{p['kernel_ms_per_call'].get(c, 0.0):.2f}" for c in cats)
+                         + f" | {p['unattributed_ms_per_call']:.2f} | {p.get('other_modules_ms_per_call', 0.0):.2f} |")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -132,6 +154,7 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=64, help="prompts of the synthetic set whose lengths are used")
     ap.add_argument("--max-len", type=int, default=1026, help="cache rows per prompt (the server's default)")
+    ap.add_argument("--profile-calls", type=int, default=0, help="calls profiled after the timing (0: none)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     cfg = preset(args.preset)
@@ -151,7 +174,7 @@ def main(argv=None):
         for b in args.batch:
             row = {"variant": name, "batch": b, "backends": dataclasses.asdict(backends)}
             res = guard(errors, f"{name} batch {b}", time_variant, model, cfg, backends, b, args.chunk, lengths,
-                        args.calls, args.max_len)
+                        args.calls, args.max_len, args.profile_calls, os.path.join(args.out, f"trace_{name}_{b}"))
             if res is None:
                 row["error"] = errors[-1][:200]
             else:
