@@ -5,7 +5,9 @@ state, last row, RAS window, per-request keys and sampling values) and one codec
 created once and donated to every step. A request owns a slot from prefill to its last audio chunk.
 
 One tick of the engine thread (`pipeline_depth` = 1, the default):
-  1. decode: dispatch step n (`frames_per_step` frames for every slot; inactive slots compute and are ignored);
+  1. decode: dispatch step n (`frames_per_step` frames for every slot; inactive slots compute and are ignored; with
+     `decode_sizes`, over the smallest prefix of the pool that holds every stream, after moving streams down into
+     free lower slots when that lets the step shrink: `_compact_slots`);
   2. host bookkeeping on the rows of step n-1 while step n runs: stop rules (EOS, frame cap, forced length,
      cancellation), one-frame hold-back for the semantic-0-before-EOS rule;
   3. audio: collect the codec output dispatched in the previous tick (queued on the device before step n), push PCM
@@ -98,6 +100,10 @@ class EngineConfig:
     # at 256 slots vs 23.4 at 128 on the H200, experiments/results/decode_timing.md). () = always the whole pool. Each
     # size is one more compiled decode step. Not yet measured on the H200, hence off.
     decode_sizes: tuple[int, ...] = ()
+    # with decode_sizes: when the streams would fit a smaller step but some sit in slots above it (the slots below
+    # were freed by streams that ended first), move up to this many of the highest into free lower slots per step
+    # (a gather/scatter of their cache rows and codec state), so the step shrinks with the load. 0: never
+    compact_slots: int = 8
     stats_interval_s: float = 10.0  # log step / codec / prefill statistics this often (0: never)
     # an engine loop iteration (admit + tick) longer than this is logged with the time of each phase, and a Python
     # garbage collection longer than this is logged too (0: never): the diagnosis of stalls that break streams
@@ -208,6 +214,9 @@ class Engine:
         def prefill_insert(pool, new, slots):  # function names are the module names in a profile
             return jax.tree.map(lambda p, n: p.at[slots].set(n.astype(p.dtype), mode="drop"), pool, new)
 
+        def move_slots(tree, src, dst):  # rows src -> dst of every [S, ...] leaf; entries >= S are padding
+            return jax.tree.map(lambda x: x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop"), tree)
+
         def decode_step(params, pool, n):
             model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, params))
 
@@ -222,6 +231,7 @@ class Engine:
         self.prefiller = Prefiller(model, cfg.max_len, cfg.prefill_chunk, backends,
                                    state_dtype=jnp.dtype(cfg.ssm_state_dtype) if cfg.ssm_state_dtype else None)
         self._insert = jax.jit(prefill_insert, donate_argnums=(0,) if donate else ())
+        self._move = jax.jit(move_slots, donate_argnums=(0,) if donate else ())
         self._step = jax.jit(decode_step, static_argnums=(2,), donate_argnums=(1,) if donate else ())
         self._decode_steps = cfg.decode_steps
         self.pool: DecodeState | None = None
@@ -238,7 +248,8 @@ class Engine:
         self.thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._steps_dispatched = 0
-        self._inflight: deque = deque()  # (step index, rows on the device) not yet processed
+        # (step index, rows on the device, dispatch time, the request of each slot it ran over) not yet processed
+        self._inflight: deque = deque()
         self._codec_inflight = None  # ([(request, frames)], audio on the device, dispatch time) not yet delivered
         self._stats = self._new_stats()
         self._phases: dict[str, float] = {}  # seconds per phase of the current loop iteration (stall diagnosis)
@@ -266,6 +277,10 @@ class Engine:
         def decode():  # one job for every size: each call donates and replaces the pool
             for n in self._decode_steps:
                 rows, self.pool = self._step(self._param_leaves, self.pool, n)
+            if self.cfg.compact_slots and len(self._decode_steps) > 1:  # the slot moves, all entries padding
+                pad = jnp.full((self.cfg.compact_slots,), S, jnp.int32)
+                self.pool = self._move(self.pool, pad, pad)
+                self.codec_state = self._move(self.codec_state, pad, pad)
             return rows
 
         def codec_step(n, T):  # the serving path on a throwaway state, every row padding
@@ -536,18 +551,44 @@ class Engine:
     def _dispatch_step(self):
         t0 = time.perf_counter()
         n = self._decode_steps[-1]
-        if len(self._decode_steps) > 1:  # rows of slots occupied later are skipped by `first_step` in _process_rows
+        if len(self._decode_steps) > 1:
+            if self.cfg.compact_slots:
+                self._compact_slots()
             top = max(s for s, r in enumerate(self.slots) if r is not None)
             n = next(n for n in self._decode_steps if n > top)
         rows, self.pool = self._step(self._param_leaves, self.pool, n)
         self._stats["step_rows"] += n
         self.metrics.step_slots.labels(slots=str(n)).inc()
-        self._inflight.append((self._steps_dispatched, rows, t0))
+        self._inflight.append((self._steps_dispatched, rows, t0, self.slots[:n]))
         self._steps_dispatched += 1
 
-    def _process_rows(self, step: int, rows, t0: float):
-        """Stop rules and frame bookkeeping on the rows [F, n, 1+K] of decode step `step` (slots [0, n): every slot
-        occupied when it was dispatched)."""
+    def _compact_slots(self):
+        """Move streams from slots above the smallest decode size that fits them all into free slots below it, at
+        most `compact_slots` per call. The device runs the move after the step in flight and before the next one;
+        the step in flight keeps its own slot -> request map for its rows."""
+        occupied = [s for s, r in enumerate(self.slots) if r is not None]
+        if not occupied:
+            return
+        target = next(n for n in self._decode_steps if n >= len(occupied))
+        movers = [s for s in reversed(occupied) if s >= target][:self.cfg.compact_slots]
+        if not movers:
+            return
+        free = [s for s in range(target) if self.slots[s] is None][:len(movers)]
+        S, k = self.cfg.max_streams, self.cfg.compact_slots
+        src, dst = np.full(k, S, np.int32), np.full(k, S, np.int32)
+        src[:len(movers)], dst[:len(movers)] = movers, free
+        src, dst = jnp.asarray(src), jnp.asarray(dst)
+        self.pool = self._move(self.pool, src, dst)
+        self.codec_state = self._move(self.codec_state, src, dst)
+        for a, b in zip(movers, free):
+            r = self.slots[a]
+            self.slots[a], self.slots[b] = None, r
+            r.slot = b
+        self.metrics.slot_moves.inc(len(movers))
+
+    def _process_rows(self, step: int, rows, t0: float, owners: list):
+        """Stop rules and frame bookkeeping on the rows [F, n, 1+K] of decode step `step`; owners[s] is the request
+        that held slot s when the step was dispatched (slots may have moved since: see `_compact_slots`)."""
         rows = np.asarray(rows)  # the one host transfer per step
         now = time.perf_counter()
         self.metrics.step_seconds.observe(now - t0)
@@ -557,11 +598,11 @@ class Engine:
         self._stats["steps"] += 1
         eos, sem0 = self.model_cfg.eos_token_id, self.model_cfg.semantic_start_token_id
         n_frames = 0
-        for s, r in enumerate(self.slots):
-            if r is None:
+        for s, r in enumerate(owners):
+            if r is None or r.finished:
                 continue
             if r.cancelled:
-                self._release(s, "cancelled")
+                self._release(r.slot, "cancelled")
                 continue
             if r.chunk_done or r.needs_prefill or step < r.first_step:
                 continue

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--decode-sizes", type=int, nargs="*", default=[],
                     help="decode steps run over the first n slots, n the smallest of these (or --max-streams) above "
                          "every occupied slot; each size compiles one more decode step (default: the whole pool)")
+    ap.add_argument("--compact-slots", type=int, default=8,
+                    help="with --decode-sizes: streams moved per step from slots above the smallest size that fits "
+                         "them all into free slots below it (0: never)")
     ap.add_argument("--codec-batch-sizes", type=int, nargs="+", default=[8, 32, 64],
                     help="streams per codec call are padded to one of these (or to --max-streams)")
     ap.add_argument("--encode-warmup", default="start", choices=["start", "background", "lazy"],
@@ -179,7 +182,7 @@ def main(argv=None):
                        admit_guard_new_s=args.admit_guard_new_s,
                        codec_first_chunk=args.codec_first_chunk,
                        codec_chunk=args.codec_chunk, codec_batch_sizes=tuple(args.codec_batch_sizes),
-                       decode_sizes=tuple(args.decode_sizes),
+                       decode_sizes=tuple(args.decode_sizes), compact_slots=args.compact_slots,
                        codec_period=args.codec_period, codec_bridge=args.codec_bridge,
                        pipeline_depth=args.pipeline_depth, compile_threads=args.compile_threads,
                        stall_warn_s=args.stall_warn_s,

@@ -34,6 +34,8 @@ class Metrics:
                                       registry=r)
         self.step_slots = Counter("drama3_decode_step_slots", "decode steps dispatched, by the slots they ran over "
                                   "(the pool, or a smaller --decode-sizes step)", ["slots"], registry=r)
+        self.slot_moves = Counter("drama3_slot_moves", "streams moved to a lower slot so that the decode step covers "
+                                  "fewer slots (--decode-sizes)", registry=r)
         self.prefill_seconds = Histogram("drama3_prefill_seconds", "one prefill batch", buckets=_STEP, registry=r)
         self.prefill_batch = Histogram("drama3_prefill_batch_size", "requests per prefill batch",
                                        buckets=(1, 2, 4, 8, 16, 32), registry=r)

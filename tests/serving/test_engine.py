@@ -41,14 +41,15 @@ def sync_engine():
     eng.shutdown(5)
 
 
-def run(engine, texts, seeds, max_frames=10):
-    """-> (audio per request, codes [K, n] per request)."""
+def run(engine, texts, seeds, max_frames=10, forced=None):
+    """-> (audio per request, codes [K, n] per request). forced: frames per request (None: stop rules)."""
     outs = {i: [] for i in range(len(texts))}
     reqs = []
+    forced = forced or [None] * len(texts)
     for i, (t, s) in enumerate(zip(texts, seeds)):
         reqs.append(engine.submit(Request(chunks=split_long_text(t), references=[], previous_takes=[],
                                           sampling=SamplingParams(), seed=s, max_frames=max_frames,
-                                          sink=lambda k, p, i=i: outs[i].append((k, p)))))
+                                          forced_frames=forced[i], sink=lambda k, p, i=i: outs[i].append((k, p)))))
     deadline = time.time() + 600
     while not all(any(k in ("done", "error") for k, _ in o) for o in outs.values()):
         assert time.time() < deadline
@@ -77,6 +78,25 @@ def test_same_audio_alone_and_among_127_others(engine):
     ref = engine.codec.decode(np.minimum(codes, sizes - 1))
     np.testing.assert_allclose(alone, ref, atol=1e-4)
     assert _talker(engine).model.language_model.layers[0].linear_attn.in_proj is not None  # the engine fused them
+
+
+def test_streams_move_down_so_the_step_shrinks(engine):
+    """62 short streams in the low slots end first; the 8 long ones above them move into slots 0-7 (--decode-sizes 8
+    64 with slot compaction), the steps shrink to 8 slots, and the moved streams' tokens and audio are those they
+    get alone."""
+    long_texts = [f"A long request, number {i}, that outlives the others." for i in range(8)]
+    seeds = list(range(100, 108))
+    alone = [run(engine, [t], [sd], forced=[10]) for t, sd in zip(long_texts, seeds)]
+    moves = lambda: _sample_value(engine.metrics.slot_moves, "_total")  # noqa: E731
+    steps = lambda n: _sample_value(engine.metrics.step_slots, "_total", slots=str(n))  # noqa: E731
+    moves0, steps8 = moves(), steps(8)
+    short = [f"Short request {i}." for i in range(62)]
+    audio, codes = run(engine, short + long_texts, list(range(62)) + seeds, forced=[2] * 62 + [10] * 8)
+    assert moves() > moves0 and steps(8) > steps8  # (some long ones may already start in freed low slots)
+    for i, ((a_alone,), (c_alone,)) in enumerate(alone):
+        np.testing.assert_array_equal(codes[62 + i], c_alone)
+        np.testing.assert_allclose(audio[62 + i], a_alone, atol=1e-4)
+    assert all(c.shape[1] == 2 for c in codes[:62])
 
 
 @pytest.mark.parametrize("which", ["engine", "sync_engine"])
