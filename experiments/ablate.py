@@ -83,6 +83,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                   lambda c: dataclasses.replace(c, pipeline_depth=0)),
     "prefill_batch_4": ("prefill batch sizes (1, 4, 8) -> (1, 4)",
                         lambda c: dataclasses.replace(c, prefill_batch_sizes=(1, 4))),
+    "prefill_batch_16": ("prefill batch sizes (1, 4, 8) -> (1, 4, 8, 16) (compiles a 16-prompt prefill shape)",
+                         lambda c: dataclasses.replace(c, prefill_batch_sizes=(1, 4, 8, 16))),
     "prefill_chunk_256": ("512-row prefill chunks -> 256-row", lambda c: dataclasses.replace(c, prefill_chunk=256)),
     "first_chunk_3": ("first audio chunk 4 frames -> 3 (TTFA; compiles a 3-frame codec shape)",
                       lambda c: dataclasses.replace(c, codec_first_chunk=3)),
