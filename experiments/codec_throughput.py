@@ -1,6 +1,7 @@
 """Streaming codec decode throughput: B streams x T-frame chunks per `Codec.step`, bf16 weights and activations.
 
-    python experiments/codec_throughput.py --out DIR [--preset full] [--budget-s 240]
+    python experiments/codec_throughput.py --out DIR [--preset full] [--budget-s 240] [--configs bfloat16:128:8 ...]
+        [--profile-steps N]
 
 For each (batch, chunk) it builds random full-size weights (the table's distributions, not zeros), warms up (compile
 included) and times `repeats` runs of `steps` dependent steps, each run synchronised once at its end (async
@@ -8,7 +9,9 @@ dispatch hides host overhead the way a serving loop would); ms/step is the media
 seconds of audio per second, the analytic decode FLOPs per audio second, the achieved TFLOP/s against the measured
 ~780 TFLOP/s bf16 dense rate of the H200 (KINDS.md), and the weight-read floor. The baseline in the same run is the
 same step in fp32 weights/activations (XLA's default TF32 matmuls). Results go to DIR/codec_throughput.json and are
-printed as a table; configs are run most important first and skipped once the time budget is spent.
+printed as a table; configs are run most important first and skipped once the time budget is spent. With
+--profile-steps N, N more steps of the first config run under the profiler: GPU kernel time per step by codec stage
+(the name scopes of `ModifiedDAC.decode_step`: embed, post_module, upsample, decoder) and by op.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.common import command_line  # noqa: E402
+from experiments.decode_profile import profile_calls  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -34,8 +38,11 @@ import numpy as np  # noqa: E402
 from drama3_jax.codec.config import CodecConfig, codec_preset  # noqa: E402
 from drama3_jax.codec.convert import random_codec  # noqa: E402
 from drama3_jax.codec.model import DILATIONS  # noqa: E402
-from drama3_jax.codec.streaming import Codec  # noqa: E402
+from drama3_jax.codec.streaming import Codec, _compiled  # noqa: E402
 
+PROFILE_CATEGORIES = ("codec_embed", "codec_post_module", "codec_upsample", "codec_decoder")
+DEFAULT_CONFIGS = ("bfloat16:128:32", "bfloat16:128:10", "bfloat16:32:32", "bfloat16:32:10", "bfloat16:1:10",
+                   "bfloat16:1:32", "float32:128:32", "float32:1:10")
 PEAK_BF16_FLOPS = 780e12  # measured 8192^3 bf16 matmul on this workplace's H200 (KINDS.md: 769-798 TFLOP/s)
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy (KINDS.md)
 
@@ -98,6 +105,31 @@ def time_steps(codec: Codec, batch: int, chunk: int, steps: int, repeats: int, s
             "steps_per_run": steps, "runs": repeats}
 
 
+def profile_steps(codec: Codec, batch: int, chunk: int, n: int, trace_dir: str) -> dict:
+    """GPU kernel time of `n` streaming steps (B streams x T new frames) by codec stage and op, per step."""
+    r = np.random.default_rng(0)
+    codes = jnp.asarray(np.stack([r.integers(0, k, (batch, chunk)) for k in codec.cfg.codebook_sizes], axis=1),
+                        jnp.int32)
+    state = codec.init_state(batch)
+    hlo = _compiled().step.lower(codec.graphdef, codec.params, state, codes, None).compile().as_text()
+
+    def run():
+        nonlocal state
+        audio, state = codec.step(state, codes)
+        return audio
+
+    return profile_calls(run, hlo, n, trace_dir, warmup=2, module="_step", categories=PROFILE_CATEGORIES)
+
+
+def parse_config(text: str) -> tuple[str, int, int]:
+    """"dtype:streams:frames" -> (dtype, B, T)."""
+    try:
+        dtype, b, t = text.split(":")
+        return jnp.dtype(dtype).name, int(b), int(t)
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"config {text!r}: expected dtype:streams:frames, e.g. bfloat16:128:8")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -105,13 +137,15 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=240.0, help="start no new config after this many seconds")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--configs", type=parse_config, nargs="+", default=[parse_config(c) for c in DEFAULT_CONFIGS],
+                    help="dtype:streams:frames per step, most important first")
+    ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps of the first config")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     cfg = codec_preset(args.preset)
     flops_frame = decode_flops_per_frame(cfg)
     flops_audio_s = flops_frame * cfg.sample_rate / cfg.frame_length
-    plan = [("bfloat16", 128, 32), ("bfloat16", 128, 10), ("bfloat16", 32, 32), ("bfloat16", 32, 10),
-            ("bfloat16", 1, 10), ("bfloat16", 1, 32), ("float32", 128, 32), ("float32", 1, 10)]
+    plan = args.configs
     codecs, results = {}, []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -141,8 +175,14 @@ def main(argv=None):
         results.append(res)
         print(json.dumps(res), flush=True)
         (out / "codec_throughput.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    report = {"meta": meta, "results": results}
+    if args.profile_steps and results:
+        dtype, batch, chunk = plan[0]
+        report["profile"] = {"dtype": dtype, "batch": batch, "chunk_frames": chunk,
+                             **profile_steps(codecs[dtype], batch, chunk, args.profile_steps,
+                                             str(out / f"trace_{dtype}_{batch}_{chunk}"))}
     meta["total_s"] = time.perf_counter() - t_start
-    (out / "codec_throughput.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / "codec_throughput.json").write_text(json.dumps(report, indent=1))
     print(f"\n{meta['device']}  decode {flops_audio_s / 1e9:.1f} GFLOP per audio second "
           f"({flops_frame / 1e9:.2f} GFLOP/frame)")
     print(f"{'dtype':9} {'B':>4} {'T':>3} {'ms/step':>9} {'audio s/s':>10} {'TFLOP/s':>8} {'%peak':>6} "
@@ -151,6 +191,12 @@ def main(argv=None):
         print(f"{r['dtype']:9} {r['batch']:>4} {r['chunk_frames']:>3} {r['ms_per_step']:>9.2f} "
               f"{r['audio_s_per_s']:>10.1f} {r['achieved_tflops']:>8.1f} {100 * r['fraction_of_peak']:>5.1f}% "
               f"{r['roofline_ms_per_step']:>8.2f} {r['warmup_compile_s']:>9.1f}")
+    if "profile" in report:
+        p = report["profile"]
+        print(f"\nprofile, {p['dtype']} B={p['batch']} T={p['chunk_frames']}: GPU kernel ms per step by stage")
+        for name, ms in sorted(p["kernel_ms_per_call"].items(), key=lambda kv: -kv[1]):
+            print(f"  {name:20} {ms:8.3f}")
+        print(f"  {'(unattributed)':20} {p['unattributed_ms_per_call']:8.3f}")
     return 0
 
 

@@ -187,9 +187,9 @@ def op_names_from_hlo(text: str) -> dict:
     return out
 
 
-def category_of(op_name: str) -> str:
+def category_of(op_name: str, categories: tuple[str, ...] = CATEGORIES) -> str:
     parts = op_name.split("/")
-    for c in CATEGORIES:
+    for c in categories:
         if c in parts:
             return c
     return "other"
@@ -219,10 +219,11 @@ def profile(step, params, state, hlo_text: str, n_steps: int, trace_dir: str) ->
 
 
 def profile_calls(run, hlo_text: str, n_calls: int, trace_dir: str, *, warmup: int = 1,
-                  module: str | None = None) -> dict:
+                  module: str | None = None, categories: tuple[str, ...] = CATEGORIES) -> dict:
     """Profile `n_calls` of run() (which returns something to block on) after `warmup` calls: GPU kernel time per call
-    by category (the name scopes of `hlo_text`'s ops), by op and by name-scope path. With `module`, kernels of other
-    jitted modules (e.g. a prefill's cache set-up) are summed apart as "other_modules_ms_per_call"."""
+    by category (the first of `categories` among the name scopes of `hlo_text`'s ops), by op and by name-scope path.
+    With `module`, kernels of other jitted modules (e.g. a prefill's cache set-up) are summed apart as
+    "other_modules_ms_per_call"."""
     names = op_names_from_hlo(hlo_text)
     for _ in range(warmup):
         jax.block_until_ready(run())
@@ -245,7 +246,7 @@ def profile_calls(run, hlo_text: str, n_calls: int, trace_dir: str, *, warmup: i
             unattributed += dur
             per_op[f"(unattributed) {e['name'][:60]}"] += dur
             continue
-        per_cat[category_of(op_name)] += dur
+        per_cat[category_of(op_name, categories)] += dur
         per_op[f"{hlo_op} {op_name[-80:]}"] += dur
         per_scope[op_name][0] += dur
         per_scope[op_name][1] += 1 / n_calls

@@ -272,13 +272,18 @@ class ModifiedDAC(nnx.Module):
         """Continue every stream by the frames codes [B, K, T] -> (audio [B, T * frame_length] fp32, next state).
         n_new [B] int (or None = T): real frames per stream; a stream's samples beyond n_new * frame_length are
         padding and its state advances by n_new frames only."""
-        z = self.quantizer.embed(codes).astype(self.dtype)
-        z, post = self.quantizer.post_module(z, state.post_module, state.frames, n_new)
+        # named scopes: the categories of a codec profile (experiments/codec_throughput.py --profile-steps)
+        with jax.named_scope("codec_embed"):
+            z = self.quantizer.embed(codes).astype(self.dtype)
+        with jax.named_scope("codec_post_module"):
+            z, post = self.quantizer.post_module(z, state.post_module, state.frames, n_new)
         n_valid, upsample = n_new, []
-        for stage, ctx in zip(self.quantizer.upsample, state.upsample):
-            z, ctx, n_valid = stage(z, ctx, n_valid)
-            upsample.append(ctx)
-        audio, dec = self.decoder(z, state.decoder, n_valid)
+        with jax.named_scope("codec_upsample"):
+            for stage, ctx in zip(self.quantizer.upsample, state.upsample):
+                z, ctx, n_valid = stage(z, ctx, n_valid)
+                upsample.append(ctx)
+        with jax.named_scope("codec_decoder"):
+            audio, dec = self.decoder(z, state.decoder, n_valid)
         frames = state.frames + (codes.shape[2] if n_new is None else n_new.astype(jnp.int32))
         return audio, DecodeState(frames=frames, post_module=post, upsample=upsample, decoder=dec)
 

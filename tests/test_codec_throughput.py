@@ -1,0 +1,26 @@
+"""experiments/codec_throughput.py on the tiny codec (CPU): a timed config and its profile by codec stage."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import codec_throughput
+
+
+def test_timing_and_profile_by_stage(tmp_path):
+    rc = codec_throughput.main(["--out", str(tmp_path), "--preset", "tiny", "--configs", "float32:2:4",
+                                "--steps", "2", "--repeats", "1", "--profile-steps", "1"])
+    assert rc == 0
+    R = json.loads((tmp_path / "codec_throughput.json").read_text())
+    (row,) = R["results"]
+    assert (row["dtype"], row["batch"], row["chunk_frames"]) == ("float32", 2, 4) and row["ms_per_step"] > 0
+    ms = R["profile"]["kernel_ms_per_call"]
+    for stage in codec_throughput.PROFILE_CATEGORIES:
+        assert ms.get(stage, 0) > 0, (stage, ms)
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(SystemExit):
+        codec_throughput.main(["--out", "unused", "--configs", "bf16:128"])
