@@ -95,6 +95,6 @@ def _expert_order(flat: jax.Array, start: jax.Array, num_experts: int, block_m: 
     earlier_same = (flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None])
     routed = jnp.sum(flat < num_experts, dtype=jnp.int32)
     start = jnp.concatenate([start, routed[None]])  # id E: after every routed pair
-    pos = start[flat] + jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # sorted row of each pair
-    pad = jnp.arange(m, m + block_m, dtype=jnp.int32)
-    return jnp.concatenate([jnp.zeros((m,), jnp.int32).at[pos].set(p, unique_indices=True), pad])
+    pos = start[flat] + jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # sorted row of each pair: a permutation
+    # of [0, M), so scattering into arange(M + block_m) leaves exactly the padding indices M.. in the tail
+    return jnp.arange(m + block_m, dtype=jnp.int32).at[pos].set(p, unique_indices=True)
