@@ -60,10 +60,15 @@ VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Mod
 }
 # variants that also switch a module-level choice, for A/B runs in one call: (module, attribute, key or None, value)
 PATCHES = {
-    # the sixth session's step without its two changes: the argsort expert grouping and the XLA conv-state shift
+    # the fifth session's step: the argsort expert grouping in XLA and the XLA conv-state shift
     "pallas_bf16_w8a8_fused_argsort_xlashift": ("pallas_bf16_w8a8_fused", [
         ("kernels.moe.routing", "RANK_MAX_PAIRS", None, 0),
+        ("kernels.moe.routing_triton", "MAX_PAIRS", None, 0),
         ("kernels.gdn.pallas_triton", "TUNING", "decode", {"conv_shift": "xla"}),
+    ]),
+    # the expert block schedule in XLA at every size (not the one-program Pallas schedule for <= 64 pairs)
+    "pallas_bf16_w8a8_fused_xla_schedule": ("pallas_bf16_w8a8_fused", [
+        ("kernels.moe.routing_triton", "MAX_PAIRS", None, 0),
     ]),
     "pallas_bf16_w8a8_fused_xlashift": ("pallas_bf16_w8a8_fused", [
         ("kernels.gdn.pallas_triton", "TUNING", "decode", {"conv_shift": "xla"}),

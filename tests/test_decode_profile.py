@@ -40,12 +40,13 @@ def test_timing_and_profile_phases(tmp_path):
 
 def test_variant_patches_hold_while_open_and_are_undone():
     from kernels.gdn import pallas_triton
-    from kernels.moe import routing
+    from kernels.moe import routing, routing_triton
 
-    before = (routing.RANK_MAX_PAIRS, dict(pallas_triton.TUNING["decode"]))
+    before = (routing.RANK_MAX_PAIRS, routing_triton.MAX_PAIRS, dict(pallas_triton.TUNING["decode"]))
     stack = decode_profile.variant_patches("pallas_bf16_w8a8_fused_argsort_xlashift")
-    assert routing.RANK_MAX_PAIRS == 0 and pallas_triton.TUNING["decode"]["conv_shift"] == "xla"
-    assert pallas_triton.TUNING["decode"]["bv"] == before[1]["bv"]  # the rest of the row kept
+    assert routing.RANK_MAX_PAIRS == routing_triton.MAX_PAIRS == 0
+    assert pallas_triton.TUNING["decode"]["conv_shift"] == "xla"
+    assert pallas_triton.TUNING["decode"]["bv"] == before[2]["bv"]  # the rest of the row kept
     stack.close()
-    assert (routing.RANK_MAX_PAIRS, pallas_triton.TUNING["decode"]) == before
+    assert (routing.RANK_MAX_PAIRS, routing_triton.MAX_PAIRS, pallas_triton.TUNING["decode"]) == before
     decode_profile.variant_patches("pallas_bf16").close()  # a variant without patches

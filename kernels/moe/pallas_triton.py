@@ -44,6 +44,7 @@ from jax.experimental.pallas import triton as plt
 
 from kernels import triton_fp8
 from kernels.moe.quant import ACT_GROUP, quantize_groups_fp8, quantize_rows_fp8
+from kernels.moe import routing_triton
 from kernels.moe.routing import BlockSchedule, expert_block_schedule
 from kernels.moe.tuning import TRITON_TABLE, TritonMoeConfig, pick
 from kernels.moe.weights import ExpertWeights
@@ -285,6 +286,15 @@ def down_weighted_grouped(act, sched: BlockSchedule, router_w, w: ExpertWeights,
     )(*args)
 
 
+def block_schedule(topk_ids, num_experts: int, block_m: int, interpret: bool) -> BlockSchedule:
+    """The expert block schedule: one Pallas program for few pairs (single streams, small batches: the XLA chain of
+    small kernels is latency there), XLA otherwise; the same schedule either way."""
+    few = topk_ids.size <= routing_triton.MAX_PAIRS and num_experts & (num_experts - 1) == 0
+    if few:
+        return routing_triton.expert_block_schedule_triton(topk_ids, num_experts, block_m, interpret=interpret)
+    return expert_block_schedule(topk_ids, num_experts, block_m)
+
+
 def _default_interpret() -> bool:
     return jax.default_backend() != "gpu"
 
@@ -306,7 +316,7 @@ def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, va
         interpret = _default_interpret()
     if valid is not None:
         topk_ids = jnp.where(valid[:, None], topk_ids, w.num_experts)
-    sched = expert_block_schedule(topk_ids, w.num_experts, cfg.block_m)
+    sched = block_schedule(topk_ids, w.num_experts, cfg.block_m, interpret)
     xb = x.astype(jnp.bfloat16)
     x_scale = act_scale = None
     prequant = act_fp8 and cfg.prequant

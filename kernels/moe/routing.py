@@ -12,7 +12,9 @@ by the kernels. Shapes depend only on (T, k, E, block_m): no recompilation per b
 The expert order of the pairs comes from a stable argsort when there are many pairs (prefill), and at decode sizes
 (M <= `RANK_MAX_PAIRS`) from each pair's rank among the pairs of its expert, a [M, M] compare-and-count that XLA
 fuses into one kernel, then one scatter: the same permutation. On the H200 the argsort was 10.5 us per layer at
-M = 1,024 (experiments/results/decode_profile_fused_2026-12-01/).
+M = 1,024 (experiments/results/decode_profile_fused_2026-12-01/). For at most `routing_triton.MAX_PAIRS` pairs the
+Pallas MoE backend runs this whole schedule as one Pallas program instead (kernels/moe/routing_triton.py), with the
+same outputs; this module is its reference.
 """
 
 from __future__ import annotations

@@ -185,6 +185,47 @@ def test_padding_rows_are_skipped_and_zero(backend):
         np.testing.assert_array_equal(written, np.repeat(np.asarray(valid), k))
 
 
+@pytest.mark.parametrize("T,E,k,bm,routing,masked", [
+    (1, 256, 8, 16, {}, 0),  # one stream: the serving case this program is for
+    (8, 256, 8, 16, {}, 0),  # the most pairs it takes (64)
+    (3, 256, 8, 16, dict(force_expert=7), 0),  # every pair on one expert: 24 rows, two blocks
+    (6, 16, 4, 8, {}, 2),  # pairs routed nowhere (prompt padding)
+    (5, 8, 2, 16, dict(only_experts=[1, 6]), 5),  # every pair routed nowhere
+    (7, 32, 8, 4, {}, 0),
+])
+def test_one_program_schedule_equals_the_xla_schedule(T, E, k, bm, routing, masked):
+    """kernels/moe/routing_triton.py (interpret mode) gives the XLA schedule bit for bit: order, block experts, first
+    rows and row counts."""
+    from kernels.moe.routing_triton import expert_block_schedule_triton
+
+    ids, _ = random_routing(_key(), T, E, k, **routing)
+    ids = ids.at[T - masked:].set(E)
+    want = expert_block_schedule(ids, E, bm)
+    got = expert_block_schedule_triton(ids, E, bm, interpret=True)
+    for field in ("order", "block_expert", "block_row0", "block_rows"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)), field)
+
+
+def test_one_program_schedule_is_used_for_few_pairs_and_lowers_for_h200():
+    """The MoE layer takes the one-program schedule up to MAX_PAIRS pairs and the XLA one above; the program
+    compiles for sm_90a without spills at 8 and 64 pairs; more pairs than it takes are refused."""
+    from kernels.h200_lowering import capture_ttirs, compile_ttir
+    from kernels.moe.routing_triton import MAX_PAIRS, expert_block_schedule_triton
+
+    def kernels_of(T):
+        x, ids, tw, w = _inputs(T, 16, 4, fp8=False)
+        return str(jax.make_jaxpr(lambda *a: moe_experts_pallas_triton(*a, config=CFG, interpret=True))(x, ids, tw, w))
+
+    assert "moe_block_schedule" in kernels_of(MAX_PAIRS // 4)
+    assert "moe_block_schedule" not in kernels_of(MAX_PAIRS // 4 + 1)
+    for T in (1, 8):
+        (ttir,) = capture_ttirs(lambda i: expert_block_schedule_triton(i, 256, 16).order, jnp.zeros((T, 8), jnp.int32))
+        res, _ = compile_ttir(ttir, 4, 1)
+        assert res["spill_bytes"] == 0, res
+    with pytest.raises(ValueError, match="at most"):
+        expert_block_schedule_triton(jnp.zeros((MAX_PAIRS + 1, 1), jnp.int32), 256, 16)
+
+
 def test_block_schedule_worst_case_bound_is_tight():
     """E experts with one pair each: every block holds one row, and the bound is exactly reached."""
     E, bm = 24, 8
