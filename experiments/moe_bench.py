@@ -389,8 +389,9 @@ class Runner:
                     TFLOPs=layer_flops(T) / s / 1e12, pct_of_bf16_peak=100 * layer_flops(T) / s / PEAK_FLOPS)
 
     def phase_correct(self):
-        """Every backend vs the dense reference at decode T=128 (all tokens); ours also at prefill T=2048 (first 64
-        tokens: rows are independent). Each program runs twice on the same inputs: outputs must be identical."""
+        """Every backend vs the dense reference at decode T=8 (64 pairs: the one-program schedule) and T=128 (all
+        tokens); ours also at prefill T=2048 (first 64 tokens: rows are independent). Each program runs twice on the
+        same inputs: outputs must be identical."""
         from concurrent.futures import ThreadPoolExecutor
 
         jax, jnp = self.jax, self.jnp
@@ -398,7 +399,7 @@ class Runner:
         from kernels.moe.testing import rel_err
 
         jobs = []
-        for T in (128, 2048):
+        for T in (8, 128, 2048):
             x, ids, tw = routing(jax, jnp, T, seed=7)
             for fp8 in (True, False):
                 for name in self.backends(include_ref=False):
