@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from drama3_jax.codec.config import CodecConfig, codec_preset  # noqa: E402
 from drama3_jax.codec.convert import random_codec  # noqa: E402
 from drama3_jax.codec.model import DILATIONS  # noqa: E402
-from drama3_jax.codec.streaming import Codec, _compiled  # noqa: E402
+from drama3_jax.codec.streaming import Codec  # noqa: E402
 
 PROFILE_CATEGORIES = ("codec_embed", "codec_post_module", "codec_upsample", "codec_decoder")
 DEFAULT_CONFIGS = ("bfloat16:128:32", "bfloat16:128:10", "bfloat16:32:32", "bfloat16:32:10", "bfloat16:1:10",
@@ -111,7 +111,7 @@ def profile_steps(codec: Codec, batch: int, chunk: int, n: int, trace_dir: str) 
     codes = jnp.asarray(np.stack([r.integers(0, k, (batch, chunk)) for k in codec.cfg.codebook_sizes], axis=1),
                         jnp.int32)
     state = codec.init_state(batch)
-    hlo = _compiled().step.lower(codec.graphdef, codec.params, state, codes, None).compile().as_text()
+    hlo = codec.step_hlo(state, codes)
 
     def run():
         nonlocal state

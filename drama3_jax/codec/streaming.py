@@ -144,6 +144,11 @@ class Codec:
             n_new = jnp.asarray(n_new)
         return _compiled().step(self.graphdef, self.params, state, jnp.asarray(codes, jnp.int32), n_new)
 
+    def step_hlo(self, state: DecodeState, codes) -> str:
+        """Compiled HLO text of `step(state, codes)` (module `jit__step`; for profiles)."""
+        return _compiled().step.lower(self.graphdef, self.params, state, jnp.asarray(codes, jnp.int32),
+                                      None).compile().as_text()
+
     def step_slots(self, state: DecodeState, slots, codes, n_new):
         """Decode the next frames of some streams only: slots [n] int (an index >= the stream count is padding),
         codes [n, K, T] int32, n_new [n] real frames per row. The cost is n x T frames however many streams the state

@@ -119,7 +119,7 @@ def _conv_silu(conv_ref, x_ref, w_ref, slot, bi, off: int, n: int, ksize: int, s
     xs = [r.astype(x_ref.dtype) for r in past] + [x_ref[bi, ch]]
     if shift_ref is not None:
         def shift():
-            for i, r in enumerate(past[1:] + [xs[-1].astype(shift_ref.dtype)]):
+            for i, r in enumerate(past[1:] + [xs[-1]]):
                 shift_ref[bi, i, ch] = r.astype(shift_ref.dtype)
 
         shift() if shift_when is None else pl.when(shift_when)(shift)
