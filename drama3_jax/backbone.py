@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import Drama3Config, TextConfig
+from drama3_jax.packing import Packing
 from drama3_jax.nn import (Embedding, FusedLinear, Linear, RMSNorm, apply_rope_rotate_half, gated_cached_attention,
                            rms_norm, swiglu)
 from kernels.dense.api import linear
@@ -128,14 +129,17 @@ class GatedAttention(nnx.Module):
         del self.q_proj, self.k_proj, self.v_proj
 
     def __call__(self, x, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
-                 dense: str = "reference"):
+                 dense: str = "reference", packing: Packing | None = None):
+        """x [B, T, H]; or packed prompts x [1, N, H] with `packing` (positions, caches and lengths per prompt)."""
         cfg = self.cfg
-        B, T, _ = x.shape
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         if self.qkv_proj is not None:
             qg, k, v = self.qkv_proj(x, dense)
         else:
             qg, k, v = self.q_proj(x, dense), self.k_proj(x, dense), self.v_proj(x, dense)
+        if packing is not None:
+            qg, k, v = (packing.to_seqs(t) for t in (qg, k, v))
+        B, T = qg.shape[:2]
         qg = qg.reshape(B, T, nh, 2 * hd)
         q, gate = qg[..., :hd], qg[..., hd:].reshape(B, T, nh * hd)
         q = self.q_norm(q)
@@ -145,6 +149,8 @@ class GatedAttention(nnx.Module):
         k = apply_rope_rotate_half(k, positions, cfg.rotary_dim, cfg.rope_theta)
         o, k_cache, v_cache = gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, new_lengths,
                                                      fresh=fresh, backend=backend)
+        if packing is not None:
+            o = packing.to_rows(o)
         return self.o_proj(o, dense), k_cache, v_cache
 
 
@@ -173,9 +179,10 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj = nnx.data(FusedLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]))
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
-    def __call__(self, x, conv_state, ssm_state, new_lengths, *, decode: bool, backends: Backends):
+    def __call__(self, x, conv_state, ssm_state, new_lengths, *, decode: bool, backends: Backends,
+                 packing: Packing | None = None):
+        """x [B, T, H]; or packed prompts x [1, N, H] with `packing` (states and lengths per prompt; prefill only)."""
         cfg = self.cfg
-        B, T, _ = x.shape
         hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                           cfg.linear_value_head_dim)
         kd = hk * dk
@@ -184,7 +191,10 @@ class GatedDeltaNet(nnx.Module):
         else:
             mixed, z, b, a = (p(x, backends.dense) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                                               self.in_proj_a))
-        z = z.reshape(B, T, hv, dv)
+        if packing is not None:
+            mixed, b, a = (packing.to_seqs(t) for t in (mixed, b, a))
+        B, T = mixed.shape[:2]
+        z = z.reshape(z.shape[:2] + (hv, dv))
         conv_w = self.conv1d.weight[...][:, 0, :]
         with jax.named_scope("gdn_core"):  # profile category (experiments/decode_profile.py)
             if decode:
@@ -202,8 +212,10 @@ class GatedDeltaNet(nnx.Module):
                 g, beta = gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
                 o, new_state = gdn_prefill(q, k, v, g, beta, ssm_state, new_lengths, backend=backends.gdn_prefill)
                 ssm_state = new_state.astype(ssm_state.dtype)
+                if packing is not None:
+                    o = packing.to_rows(o)
         o = rms_norm(o, self.norm.weight[...], cfg.rms_norm_eps, zero_centered=False, out_dtype=jnp.float32)
-        o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(B, T, hv * dv)
+        o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(x.shape[:2] + (hv * dv,))
         return self.out_proj(o, backends.dense), conv_state, ssm_state
 
 
@@ -359,27 +371,31 @@ class Drama3Backbone(nnx.Module):
 
     # -------------------------------------------------------------------------------- the stack
     def forward(self, rows, cache: BackboneCache, new_lengths, *, fresh: bool = False,
-                backends: Backends = Backends()):
+                backends: Backends = Backends(), packing: Packing | None = None):
         """rows [B, T, 1+K] at positions cache.lengths + t; new_lengths [B] valid rows per sequence (right padding).
         `fresh`: the cache rows are empty (prompt prefill), so attention only looks at the new rows.
         T == 1 takes the fused GDN decode step. The cache may hold more rows than B (a slot pool): rows [0, B) are
-        these sequences, updated in place, the others untouched. Returns (final-norm hidden [B, T, H], cache)."""
-        B, T = rows.shape[:2]
+        these sequences, updated in place, the others untouched. Returns (final-norm hidden [B, T, H], cache).
+        With `packing` (drama3_jax/packing.py), rows [1, N, 1+K] are P prompts end to end: cache, new_lengths and the
+        positions are per prompt ([P, ...], B = P and T = packing.seq_len), and the hidden is [1, N, H]."""
+        B, T = (packing.num_seqs, packing.seq_len) if packing is not None else rows.shape[:2]
         start = cache.lengths[:B]
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         x = self.embed_rows(rows)
-        valid = (jnp.arange(T)[None, :] < new_lengths[:, None]) if T > 1 and backends.moe_skip_padding else None
+        valid = None
+        if T > 1 and backends.moe_skip_padding:
+            valid = packing.valid() if packing is not None else jnp.arange(T)[None, :] < new_lengths[:, None]
         ks, vs, convs, ssms = list(cache.k), list(cache.v), list(cache.conv), list(cache.ssm)
         fi = li = 0
         for layer in self.model.language_model.layers:
             h = layer.input_layernorm(x)
             if layer.layer_type == "full_attention":
                 h, ks[fi], vs[fi] = layer.self_attn(h, positions, ks[fi], vs[fi], start, new_lengths, fresh=fresh,
-                                                    backend=backends.attention, dense=backends.dense)
+                                                    backend=backends.attention, dense=backends.dense, packing=packing)
                 fi += 1
             else:
                 h, convs[li], ssms[li] = layer.linear_attn(h, convs[li], ssms[li], new_lengths, decode=(T == 1),
-                                                           backends=backends)
+                                                           backends=backends, packing=packing)
                 li += 1
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x), backend=backends.moe,

@@ -23,6 +23,7 @@ from flax import nnx
 
 from drama3_jax.backbone import Backends
 from drama3_jax.model import Drama3Model, ModelCache
+from drama3_jax.packing import Packing, pack_layout
 from drama3_jax.prompt import build_prompt, history_for_chunk, split_long_text
 from drama3_jax.sampling import (RAS_WINDOW, SamplingParams, initial_recent, push_recent, sample_head,
                                  sample_main)
@@ -127,6 +128,23 @@ def prefill_chunk(model: Drama3Model, cache: ModelCache, h_last, rows, next_rows
     return ModelCache(bcache, tcache), jnp.where(seen[:, None], h.astype(h_last.dtype), h_last)
 
 
+def prefill_packed(model: Drama3Model, cache: ModelCache, rows, next_rows, lengths, packing: Packing,
+                   backends: Backends = Backends()):
+    """Prefill P whole prompts packed end to end (drama3_jax/packing.py) into fresh caches [P, ...] in one call.
+    rows [1, N, 1+K] the packed prompt rows; next_rows [1, N, 1+K] each prompt's rows moved up by one (the tower's
+    teacher labels; its last row's entry is unused); lengths [P] (0: an empty lane). The row-wise layers run over
+    the N packed rows, attention and the GDN recurrence per prompt. Returns (cache, h_last [P, H]: backbone hidden
+    of each prompt's last row)."""
+    with jax.named_scope("backbone"):
+        hidden, bcache = model.forward(rows, cache.backbone, lengths, fresh=True, backends=backends, packing=packing)
+    with jax.named_scope("tower"):
+        _, _, tcache = model.tower(hidden, next_rows[..., 0], rows, cache.tower, jnp.maximum(lengths - 1, 0),
+                                   lambda i, _: next_rows[..., 2 + i], fresh=True, backends=backends,
+                                   compute_heads=False, packing=packing)
+    last = packing.unpack[jnp.arange(packing.num_seqs), jnp.maximum(lengths - 1, 0)]  # N (a zero row) if empty
+    return ModelCache(bcache, tcache), jnp.take(hidden[0], last, axis=0, mode="fill", fill_value=0)
+
+
 def start_state(cache: ModelCache, h_last, last_row, recent, sampling: RequestSampling) -> DecodeState:
     """The DecodeState after a full prefill: last prompt row [B, 1+K], RAS window [B, W] from the prompt, frame 0."""
     return DecodeState(cache=cache, h=h_last, row=last_row, recent=recent,
@@ -156,8 +174,15 @@ class Prefiller:
             model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, leaves))
             return prefill_chunk(model, cache, h, rows, next_rows, offset, lengths, backends)
 
+        def prefill_packed_step(leaves, cache, rows, next_rows, lengths, packing):
+            model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, leaves))
+            cache, h = prefill_packed(model, cache, rows, next_rows, lengths, packing, backends)
+            return cache, h.astype(dtype)
+
+        donate = jax.default_backend() != "cpu"
         self._init = jax.jit(prefill_init, static_argnums=0)
-        self._chunk = jax.jit(prefill_step, donate_argnums=(1, 2) if jax.default_backend() != "cpu" else ())
+        self._chunk = jax.jit(prefill_step, donate_argnums=(1, 2) if donate else ())
+        self._packed = jax.jit(prefill_packed_step, donate_argnums=(1,) if donate else ())
         self._start = jax.jit(start_state)
 
     def chunk_hlo(self, batch: int) -> str:
@@ -183,6 +208,38 @@ class Prefiller:
         last_row = rows[np.arange(B), np.asarray(lengths) - 1]
         return self._start(cache, h, jnp.asarray(last_row), jnp.asarray(initial_recent(rows, lengths, RAS_WINDOW)),
                            sampling)
+
+    def packed(self, prompts: Sequence[np.ndarray], sampling: RequestSampling, num_rows: int,
+               num_seqs: int) -> DecodeState:
+        """Prompts [n_i, 1+K] int32 (each 2..`chunk` rows, at most num_seqs, num_rows in all) in one packed call of
+        num_rows rows and num_seqs lanes (one compiled shape per (num_rows, num_seqs)); sampling has num_seqs rows.
+        Returns the DecodeState of num_seqs lanes; lanes past len(prompts) are empty (length 0)."""
+        C, K = self.chunk, self.row_width
+        lens = np.zeros(num_seqs, np.int32)
+        lens[:len(prompts)] = [len(p) for p in prompts]
+        offsets, unpack, pack = pack_layout(lens[:len(prompts)], num_rows, num_seqs, C)
+        rows = np.zeros((1, num_rows, K), np.int32)
+        next_rows = np.zeros_like(rows)
+        lanes = np.zeros((num_seqs, C, K), np.int32)
+        for p, r in enumerate(prompts):
+            o, n = offsets[p], len(r)
+            rows[0, o:o + n] = r
+            next_rows[0, o:o + n - 1] = r[1:]
+            lanes[p, :n] = r
+        cache, _ = self._init(num_seqs)
+        cache, h = self._packed(self._param_leaves, cache, jnp.asarray(rows), jnp.asarray(next_rows),
+                                jnp.asarray(lens), Packing(jnp.asarray(unpack), jnp.asarray(pack)))
+        last_row = lanes[np.arange(num_seqs), np.maximum(lens - 1, 0)]
+        return self._start(cache, h, jnp.asarray(last_row), jnp.asarray(initial_recent(lanes, lens, RAS_WINDOW)),
+                           sampling)
+
+    def packed_hlo(self, num_rows: int, num_seqs: int) -> str:
+        """Compiled HLO text of one packed call (module `jit_prefill_packed_step`; for profiles)."""
+        cache, _ = self._init(num_seqs)
+        rows = jnp.zeros((1, num_rows, self.row_width), jnp.int32)
+        _, unpack, pack = pack_layout([2], num_rows, num_seqs, self.chunk)
+        return self._packed.lower(self._param_leaves, cache, rows, rows, jnp.zeros((num_seqs,), jnp.int32),
+                                  Packing(jnp.asarray(unpack), jnp.asarray(pack))).compile().as_text()
 
 
 def _round_up(n: int, m: int) -> int:

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from drama3_jax.backbone import BackboneCache, Backends, Drama3Backbone, init_cache
 from drama3_jax.config import Drama3Config
+from drama3_jax.packing import Packing
 from drama3_jax.tower import CodeChooser, ResidualStack, SharedStack, TowerCache, init_tower_cache, run_tower
 
 
@@ -69,13 +70,15 @@ class Drama3Model(Drama3Backbone):
         return e * self.is_semantic(rows[..., 0])[..., None].astype(jnp.float32)
 
     def tower(self, hidden, main, rows, cache: TowerCache, new_lengths, choose_code: CodeChooser, *,
-              fresh: bool = False, backends: Backends = Backends(), compute_heads: bool = True):
+              fresh: bool = False, backends: Backends = Backends(), compute_heads: bool = True,
+              packing: Packing | None = None):
         """Tower for predicted frames with main tokens `main` [B, T] from hidden [B, T, H] of input `rows`
-        [B, T, 1+K]. Returns (c1..c9 [B, T, K-1], head logits [B, T, K-1, V] or None, cache)."""
+        [B, T, 1+K] (or packed prompts [1, N, ...] with `packing`). Returns (c1..c9 [B, T, K-1], head logits
+        [B, T, K-1, V] or None, cache)."""
         return run_tower(self.audio_decoder_mtp_shared, self.audio_decoder_mtp, self.cfg.tower, hidden,
                          self.semantic_code(main), self.is_semantic(main), self.extra_features(rows), cache,
                          new_lengths, choose_code, fresh=fresh, backend=backends.attention,
-                         compute_heads=compute_heads, dense=backends.dense)
+                         compute_heads=compute_heads, dense=backends.dense, packing=packing)
 
     def teacher_forced(self, rows, lengths, max_len: int, *, backends: Backends = Backends(),
                        compute_heads: bool = True, cache_dtype=None):

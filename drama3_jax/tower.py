@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import TowerConfig
+from drama3_jax.packing import Packing
 from drama3_jax.nn import (Embedding, FusedLinear, Linear, RMSNorm, apply_rope_interleaved, gated_cached_attention,
                            swiglu)
 
@@ -53,11 +54,13 @@ class TowerAttention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
-                 dense: str = "reference"):
+                 dense: str = "reference", packing: Packing | None = None):
         cfg = self.cfg
-        B, T, _ = x.shape
         nh, nkv, hd = cfg.n_head, cfg.n_local_heads, cfg.head_dim
         qkv = self.wqkv(x, dense)
+        if packing is not None:  # packed prompts (drama3_jax/packing.py): attention per prompt
+            qkv = packing.to_seqs(qkv)
+        B, T = qkv.shape[:2]
         q = qkv[..., :nh * hd].reshape(B, T, nh, hd)
         gate = qkv[..., nh * hd:2 * nh * hd]
         k = qkv[..., 2 * nh * hd:2 * nh * hd + nkv * hd].reshape(B, T, nkv, hd)
@@ -66,6 +69,8 @@ class TowerAttention(nnx.Module):
         k = apply_rope_interleaved(self.k_norm(k), positions, cfg.rotary_dim, cfg.rope_base)
         o, k_cache, v_cache = gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, new_lengths,
                                                      fresh=fresh, backend=backend)
+        if packing is not None:
+            o = packing.to_rows(o)
         return self.wo(o, dense), k_cache, v_cache
 
 
@@ -113,11 +118,11 @@ class MTPLayer(nnx.Module):
         return e if extra is None else e + extra
 
     def __call__(self, h, e, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
-                 dense: str = "reference"):
+                 dense: str = "reference", packing: Packing | None = None):
         t = self.transformer_layer
         m = self.eh_proj(jnp.concatenate([self.enorm(e.astype(h.dtype)), self.hnorm(h)], axis=-1), dense)
         o, k_cache, v_cache = t.attention(t.attention_norm(m), positions, k_cache, v_cache, start, new_lengths,
-                                          fresh=fresh, backend=backend, dense=dense)
+                                          fresh=fresh, backend=backend, dense=dense, packing=packing)
         a = m + o
         f = a + t.feed_forward(t.ffn_norm(a), dense)
         return self.final_layernorm(f), k_cache, v_cache
@@ -140,15 +145,16 @@ CodeChooser = Callable[[int, jax.Array], jax.Array]
 
 def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h, c0, label_sem, extra,
               cache: TowerCache, new_lengths, choose_code: CodeChooser, *, fresh: bool, backend: str = "reference",
-              compute_heads: bool = True, dense: str = "reference"):
+              compute_heads: bool = True, dense: str = "reference", packing: Packing | None = None):
     """Run the 13 tower layers at positions cache.lengths + t.
 
     h [B, T, dim] backbone final-norm hidden of rows t; c0 [B, T] semantic code of the predicted frame;
     label_sem [B, T] bool (predicted frame is semantic); extra [B, T, dim] fp32 (input-row codebooks the backbone did
     not see). `choose_code(i, logits_i)` gives code c_{i+1} (teacher label or a sample). Returns
     (codes [B, T, K-1] int32 = c1..c9, head logits [B, T, K-1, V] fp32 or None, updated cache). `backend` is the
-    attention backend, `dense` the projections' (kernels/dense)."""
-    B, T, _ = h.shape
+    attention backend, `dense` the projections' (kernels/dense). With `packing`, h, c0, label_sem and extra are
+    packed prompts [1, N, ...] and cache / new_lengths are per prompt (see Drama3Backbone.forward)."""
+    B, T = (packing.num_seqs, packing.seq_len) if packing is not None else h.shape[:2]
     start = cache.lengths[:B]  # the cache may be a slot pool with more rows (see Drama3Backbone.forward)
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     sem = label_sem.astype(jnp.float32)
@@ -157,13 +163,13 @@ def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h,
     for j, layer in enumerate(shared.layers):
         e = layer.embed(c0, sem, extra if j == 0 else None)
         x, ks[j], vs[j] = layer(x, e, positions, ks[j], vs[j], start, new_lengths, fresh=fresh, backend=backend,
-                                dense=dense)
+                                dense=dense, packing=packing)
     code = c0
     codes, logits = [], []
     n = cfg.n_layer
     for i, (layer, head) in enumerate(zip(residual.layers, residual.heads)):
         x, ks[n + i], vs[n + i] = layer(x, layer.embed(code, sem), positions, ks[n + i], vs[n + i], start,
-                                        new_lengths, fresh=fresh, backend=backend, dense=dense)
+                                        new_lengths, fresh=fresh, backend=backend, dense=dense, packing=packing)
         with jax.named_scope("tower_heads"):
             li = head(x, dense).astype(jnp.float32) if compute_heads else None
         code = choose_code(i, li).astype(jnp.int32)

@@ -165,3 +165,46 @@ def test_frame_step_over_a_pool_prefix_equals_the_prefix_alone(model, tok):
     np.testing.assert_allclose(np.asarray(pool.h[:2]), np.asarray(pair.h), rtol=1e-5, atol=1e-5)
     assert np.asarray(pool.cache.backbone.lengths).tolist() == (lengths + 3).tolist()[:2] + lengths.tolist()[2:]
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a[2:]), b), pool, before)
+
+
+def test_packed_prefill_equals_the_batched_prefill(model, tok):
+    """Prompts packed end to end (Prefiller.packed: row-wise layers over the packed rows, attention and the GDN
+    recurrence per prompt) give the batched prefill's caches, last hidden and start state, and the same frames after
+    it; empty lanes stay empty."""
+    import jax
+
+    from drama3_jax.generate import frame_step
+    cfg = model.cfg
+    prompts = [build_prompt(tok, cfg, "One small step."),
+               build_prompt(tok, cfg, "A third prompt.", [(ref_codes(cfg, 7, 3), "Reference words.")]),
+               build_prompt(tok, cfg, "<|speaker:1|> Hi! <|speaker:2|> Hello."),
+               build_prompt(tok, cfg, "Numbers: 3.14 and 12:30.")]
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    prefill = Prefiller(model, max_len=256, chunk=128)
+    assert lengths.max() <= prefill.chunk and lengths.min() < lengths.max()
+    params, seeds = [SamplingParams(1.0, 0.9, 30)] * 6, [31, 32, 33, 34, 0, 1]
+    rows = np.zeros((4, prefill.chunk, cfg.row_width), np.int32)
+    for i, p in enumerate(prompts):
+        rows[i, :len(p)] = p
+    want = prefill(rows, lengths, RequestSampling.make(params[:4], seeds[:4]))
+    got = prefill.packed(prompts, RequestSampling.make(params, seeds), num_rows=int(lengths.sum()) + 13, num_seqs=6)
+    n = lengths[:, None]
+    for a, b in zip(jax.tree.leaves(got.cache), jax.tree.leaves(want.cache)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.ndim >= 3 and a.shape[1] == 256:  # KV caches: rows past each prompt's length are never read
+            keep = (np.arange(256)[None, :] < n)[(...,) + (None,) * (a.ndim - 2)]
+            a, b = a[:4] * keep, b * keep
+        else:
+            a = a[:4]
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert np.asarray(got.cache.backbone.lengths).tolist() == lengths.tolist() + [0, 0]
+    assert np.asarray(got.cache.tower.lengths).tolist() == (lengths - 1).tolist() + [0, 0]
+    np.testing.assert_allclose(np.asarray(got.h[:4]), np.asarray(want.h), rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got.h[4:]).any()
+    for f in ("row", "recent", "frame", "keys", "temperature", "top_p", "top_k"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, f))[:4], np.asarray(getattr(want, f)))
+    step = jax.jit(lambda s: frame_step(model, s))
+    for _ in range(3):
+        r_got, got = step(got)
+        r_want, want = step(want)
+        np.testing.assert_array_equal(np.asarray(r_got)[:4], np.asarray(r_want))
