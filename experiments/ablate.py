@@ -81,10 +81,12 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                         lambda c: dataclasses.replace(c, codec_batch_sizes=())),
     "sync_tick": ("pipelined engine tick -> synchronous tick",
                   lambda c: dataclasses.replace(c, pipeline_depth=0)),
-    "prefill_batch_4": ("prefill batch sizes (1, 4, 8) -> (1, 4)",
-                        lambda c: dataclasses.replace(c, prefill_batch_sizes=(1, 4))),
-    "prefill_batch_16": ("prefill batch sizes (1, 4, 8) -> (1, 4, 8, 16) (compiles a 16-prompt prefill shape)",
-                         lambda c: dataclasses.replace(c, prefill_batch_sizes=(1, 4, 8, 16))),
+    "unpacked_prefill": ("packed prefill (prompts end to end in calls of 512-4,096 rows) -> each prompt padded to "
+                         "whole chunks in [batch, chunk] calls of batch 1, 4 or 8",
+                         lambda c: dataclasses.replace(c, prefill_packed_rows=(), prefill_batch_sizes=(1, 4, 8))),
+    "packed_2048": ("largest packed prefill call 4,096 rows (16 prompts) -> 2,048 (8): shorter stalls, more calls",
+                    lambda c: dataclasses.replace(c, prefill_packed_rows=tuple(
+                        n for n in c.prefill_packed_rows if n <= 2048))),
     "prefill_chunk_256": ("512-row prefill chunks -> 256-row", lambda c: dataclasses.replace(c, prefill_chunk=256)),
     "first_chunk_3": ("first audio chunk 4 frames -> 3 (TTFA; compiles a 3-frame codec shape)",
                       lambda c: dataclasses.replace(c, codec_first_chunk=3)),
@@ -338,8 +340,10 @@ def markdown(result: dict) -> str:
 
 # ------------------------------------------------------------------------------------------ main
 def engine_overrides(items: list[str]) -> dict:
-    """`FIELD=VALUE` strings -> EngineConfig fields (values as Python literals, else strings)."""
+    """`FIELD=VALUE` strings -> EngineConfig fields (values as Python literals, else strings; one number for a
+    tuple field is a 1-tuple)."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"backends"}
+    tuples = {k for k in fields if isinstance(getattr(EngineConfig, k, None), tuple)}
     out = {}
     for item in items:
         key, _, value = item.partition("=")
@@ -349,6 +353,8 @@ def engine_overrides(items: list[str]) -> dict:
             out[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             out[key] = value
+        if key in tuples and not isinstance(out[key], tuple):
+            out[key] = (out[key],)
     return out
 
 

@@ -1,6 +1,6 @@
 """Prefill call time of the talker: what the serving engine pays per batch of admitted prompts.
 
-    python experiments/prefill_timing.py --out DIR [--batch 1 4 8] [--chunk 512] [--variants default no_skip]
+    python experiments/prefill_timing.py --out DIR [--batch 1 4 8] [--chunk 512] [--variants default no_skip packed]
         [--preset full|tiny] [--calls 5] [--profile-calls 2]
 
 Each variant runs the engine's `Prefiller` (fresh caches, `--chunk`-row chunks, bf16 GDN state, the engine's kernel
@@ -10,6 +10,9 @@ contents are random. Timed: the whole call (chunk calls + the start state), sync
 one warm-up call, a new batch of prompts each call. Variants:
   default   the engine's backends (W8A8 experts, Pallas kernels, padding rows skipped by the MoE)
   no_skip   the same with Backends.moe_skip_padding off: padding rows go through the routed experts too
+  packed    the engine's packed prefill (Prefiller.packed): up to B prompts of at most --chunk rows end to end in one
+            call of the smallest of the engine's packed row counts that holds the first call's prompts (fewer
+            prompts in a later call when they would not fit it)
 The roofline of a call is the larger of (every weight read once) / 4.2 TB/s and (2 x active parameters x valid
 rows) / 780 TFLOP/s; attention and the GDN recurrence are not counted. With --profile-calls N > 0, N more calls
 run under the profiler: GPU kernel time per call by category (the decode profile's name scopes:
@@ -43,13 +46,27 @@ from drama3_jax.tokenizer import load_tokenizer, write_synthetic_tokenizer
 from experiments.common import command_line, guard, log, save_json
 from experiments.decode_profile import profile_calls
 from serving.bench.dataset import synthetic
+from serving.engine import EngineConfig
 
 HBM_BYTES_PER_S, FLOPS_PER_S = 4.2e12, 780e12
 
 
 def variants(cfg) -> dict[str, Backends]:
     base = dataclasses.replace(Backends.auto(), moe_activations=default_moe_activations(cfg))
-    return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False)}
+    return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False), "packed": base}
+
+
+def packed_call(lengths: np.ndarray, start: int, batch: int, buckets) -> tuple[np.ndarray, int, int]:
+    """Up to `batch` prompts from lengths[start:] (cyclic) that fit the largest packed call, and the smallest
+    (rows, lanes) bucket holding them, as the engine's admission picks them."""
+    lens = []
+    for i in range(batch):
+        n = int(lengths[(start + i) % len(lengths)])
+        if sum(lens) + n > buckets[-1][0]:
+            break
+        lens.append(n)
+    N, lanes = next((n, l) for n, l in buckets if n >= sum(lens) and l >= len(lens))
+    return np.array(lens, np.int64), N, lanes
 
 
 def prompt_lengths(cfg, n: int) -> np.ndarray:
@@ -87,30 +104,50 @@ def batch_rows(cfg, lengths: np.ndarray, chunk: int, rng) -> np.ndarray:
 
 
 def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarray, calls: int, max_len: int,
-                 profile_n: int = 0, trace_dir: str = ""):
+                 profile_n: int = 0, trace_dir: str = "", packed: bool = False):
+    """batch prompts per call ([batch, chunk] calls), or with `packed` up to batch prompts per packed call of the
+    engine's default buckets (EngineConfig.packed_buckets), a fixed bucket per run (the first call's)."""
     prefiller = Prefiller(model, max_len, chunk, backends, state_dtype=jnp.bfloat16)
-    sampling = RequestSampling.make([SamplingParams()] * batch, list(range(batch)))
     rng = np.random.default_rng(batch)
-    times, valid = [], []
+    buckets = EngineConfig(prefill_chunk=chunk).packed_buckets
+    if packed:
+        lengths = lengths[lengths <= chunk]  # longer prompts take the [batch, chunk] path in the engine
+    lens0, N, lanes = packed_call(lengths, 0, batch, buckets) if packed else (None, 0, batch)
+    sampling = RequestSampling.make([SamplingParams()] * lanes, list(range(lanes)))
+
+    def make_call(i):
+        if not packed:
+            lens = lengths[(i * batch + np.arange(batch)) % len(lengths)]
+            rows = batch_rows(cfg, lens, chunk, rng)
+            return lens, lambda: prefiller(rows, lens, sampling)
+        lens, n, lanes_i = packed_call(lengths, i * batch, batch, buckets)
+        while n > N or lanes_i > lanes:  # keep the compiled bucket: drop the last prompt
+            lens = lens[:-1]
+            n, lanes_i = next((b, l) for b, l in buckets if b >= lens.sum() and l >= len(lens))
+        prompts = [row[:n_i] for row, n_i in zip(batch_rows(cfg, lens, chunk, rng), lens)]
+        return lens, lambda: prefiller.packed(prompts, sampling, N, lanes)
+
+    times, valid, prompts_per_call = [], [], []
     t = time.time()
     for i in range(calls + 1):
-        lens = lengths[(i * batch + np.arange(batch)) % len(lengths)]
-        rows = batch_rows(cfg, lens, chunk, rng)
+        lens, call = make_call(i)
         t0 = time.perf_counter()
-        jax.block_until_ready(prefiller(rows, lens, sampling))
+        jax.block_until_ready(call())
         if i == 0:
             compile_s = time.time() - t
             continue
         times.append(time.perf_counter() - t0)
         valid.append(int(lens.sum()))
+        prompts_per_call.append(len(lens))
+    padded = N if packed else batch * chunk * -(-int(lengths.max()) // chunk)
     out = {"ms": 1e3 * float(np.median(times)), "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times),
-           "valid_rows": float(np.mean(valid)), "padded_rows": batch * chunk * -(-int(lengths.max()) // chunk),
-           "compile_s": round(compile_s, 1)}
+           "valid_rows": float(np.mean(valid)), "prompts": float(np.mean(prompts_per_call)), "padded_rows": padded,
+           "packed_rows": N, "lanes": lanes, "compile_s": round(compile_s, 1)}
     if profile_n:
-        lens = lengths[np.arange(batch) % len(lengths)]
-        rows = batch_rows(cfg, lens, chunk, rng)
-        out["profile"] = profile_calls(lambda: prefiller(rows, lens, sampling), prefiller.chunk_hlo(batch), profile_n,
-                                       trace_dir, module="prefill_step")
+        _, call = make_call(0)
+        hlo = prefiller.packed_hlo(N, lanes) if packed else prefiller.chunk_hlo(batch)
+        out["profile"] = profile_calls(call, hlo, profile_n, trace_dir,
+                                       module="prefill_packed_step" if packed else "prefill_step")
     return out
 
 
@@ -120,14 +157,18 @@ def write_markdown(R: dict, path: str):
              f"Prompt lengths: the synthetic set's first {R['prompts']} prompts, {R['length_min']}-{R['length_max']} "
              f"rows (mean {R['length_mean']:.0f}); {R['chunk']}-row chunks. Roofline: max(weights {R['weight_gb']:.1f} "
              f"GB / 4.2 TB/s, 2 x {R['active_params_b']:.2f} B active params x valid rows / 780 TFLOP/s).", "",
-             "| variant | prompts per call | ms per call (median) | min / max | valid rows per call | valid rows/s | "
-             "roofline ms | % of roofline | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+             "Packed: up to B prompts end to end in one call of the engine's packed row counts (rows computed = that "
+             "count); else [B, chunk] calls.", "",
+             "| variant | B | prompts per call | rows computed | ms per call (median) | min / max | ms per prompt | "
+             "valid rows per call | valid rows/s | roofline ms | % of roofline | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in R["rows"]:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['batch']} | {r['error']} | | | | | | |")
+            lines.append(f"| {r['variant']} | {r['batch']} | {r['error']} | | | | | | | | | |")
             continue
-        lines.append(f"| {r['variant']} | {r['batch']} | {r['ms']:.2f} | {r['ms_min']:.2f} / {r['ms_max']:.2f} | "
-                     f"{r['valid_rows']:.0f} | {1e3 * r['valid_rows'] / r['ms']:,.0f} | {r['roofline_ms']:.2f} | "
+        lines.append(f"| {r['variant']} | {r['batch']} | {r['prompts']:.1f} | {r['padded_rows']} | {r['ms']:.2f} | "
+                     f"{r['ms_min']:.2f} / {r['ms_max']:.2f} | {r['ms'] / r['prompts']:.2f} | {r['valid_rows']:.0f} | "
+                     f"{1e3 * r['valid_rows'] / r['ms']:,.0f} | {r['roofline_ms']:.2f} | "
                      f"{100 * r['roofline_ms'] / r['ms']:.0f}% | {r['compile_s']} |")
     profiled = [r for r in R["rows"] if "profile" in r]
     if profiled:
@@ -150,7 +191,8 @@ def main(argv=None):
     ap.add_argument("--preset", default="full")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--variants", nargs="+", default=["default", "no_skip"], choices=["default", "no_skip"])
+    ap.add_argument("--variants", nargs="+", default=["default", "no_skip", "packed"],
+                    choices=["default", "no_skip", "packed"])
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--prompts", type=int, default=64, help="prompts of the synthetic set whose lengths are used")
     ap.add_argument("--max-len", type=int, default=1026, help="cache rows per prompt (the server's default)")
@@ -174,7 +216,8 @@ def main(argv=None):
         for b in args.batch:
             row = {"variant": name, "batch": b, "backends": dataclasses.asdict(backends)}
             res = guard(errors, f"{name} batch {b}", time_variant, model, cfg, backends, b, args.chunk, lengths,
-                        args.calls, args.max_len, args.profile_calls, os.path.join(args.out, f"trace_{name}_{b}"))
+                        args.calls, args.max_len, args.profile_calls, os.path.join(args.out, f"trace_{name}_{b}"),
+                        name == "packed")
             if res is None:
                 row["error"] = errors[-1][:200]
             else:

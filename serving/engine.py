@@ -21,8 +21,9 @@ One tick of the engine thread (`pipeline_depth` = 1, the default):
      call because at 128 streams streams end ~15 times a second, and a call each was ~10 extra calls/s on the H200
      (experiments/results/full_size_h200.md). Just the called streams' codec state is gathered from the pool; stream
      counts and frames are padded to small static sets;
-  5. admit: if the admission policy says so, prefill a batch of queued prompts (bucketed: batch sizes and prompt
-     lengths from small static sets) and scatter them into free slots; their first valid step is n+1.
+  5. admit: if the admission policy says so, prefill queued prompts and scatter them into free slots; their first
+     valid step is n+1. Prompts of up to `prefill_chunk` rows are packed end to end into one call of a few static
+     row counts (`prefill_packed_rows`, drama3_jax/packing.py), longer ones go alone in whole chunks.
 So the device always has a step queued while the host works. `pipeline_depth` = 0 runs the same tick synchronously
 (bookkeeping on step n's rows, codec output collected in the same tick): one step less latency, an idle device
 during host work.
@@ -73,6 +74,14 @@ class EngineConfig:
     # not the slots, bounded the queue
     prefill_batch_sizes: tuple[int, ...] = (1, 4, 8)
     prefill_chunk: int = 512  # prompt rows per prefill call (one compiled shape per batch size)
+    # prompts of at most `prefill_chunk` rows are packed end to end into one prefill call of one of these row counts
+    # (drama3_jax/packing.py): the row-wise layers (projections, experts, tower) compute no padding, while attention
+    # and the GDN recurrence run per prompt over rows // `prefill_lane_rows` lanes (at least 1) of `prefill_chunk`
+    # rows; the smallest call that holds the batch is used. Longer prompts go alone through the smallest of
+    # `prefill_batch_sizes`, compiled only when `max_prompt_rows` allows them. () = no packing: every prompt is padded
+    # to whole chunks in [batch, chunk] calls of `prefill_batch_sizes`
+    prefill_packed_rows: tuple[int, ...] = (512, 1024, 2048, 4096)
+    prefill_lane_rows: int = 256
     # admission policy: below `prefill_busy_streams` running streams admit at once; above it wait until
     # `prefill_min_batch` requests are queued or the oldest has waited `prefill_max_wait_ms`
     prefill_busy_streams: int = 32
@@ -126,6 +135,18 @@ class EngineConfig:
     encode_warmup: str = "start"
     encode_bucket_frames: int = 224  # reference audio is encoded in multiples of this many frames (~10.4 s)
     max_reference_frames: int = 672  # ~31 s
+
+    @property
+    def packed_buckets(self) -> tuple[tuple[int, int], ...]:
+        """(rows, lanes) of the packed prefill calls, smallest first."""
+        return tuple((n, max(1, n // self.prefill_lane_rows)) for n in sorted(set(self.prefill_packed_rows)))
+
+    @property
+    def batched_prefill_sizes(self) -> tuple[int, ...]:
+        """Batch sizes of the compiled [batch, chunk] prefill calls."""
+        if not self.prefill_packed_rows:
+            return tuple(sorted(set(self.prefill_batch_sizes)))
+        return (min(self.prefill_batch_sizes),) if self.max_prompt_rows > self.prefill_chunk else ()
 
     @property
     def codec_buckets(self) -> tuple[int, ...]:
@@ -210,6 +231,10 @@ class Engine:
             raise ValueError("codec_period, codec_first_chunk and codec_chunk must be >= 1")
         if cfg.pipeline_depth not in (0, 1):
             raise ValueError(f"pipeline_depth must be 0 or 1, got {cfg.pipeline_depth}")
+        if cfg.prefill_packed_rows and (max(cfg.prefill_packed_rows) < min(cfg.max_prompt_rows, cfg.prefill_chunk)
+                                        or cfg.prefill_lane_rows < 1):
+            raise ValueError(f"the largest packed prefill ({max(cfg.prefill_packed_rows)} rows) must hold one prompt "
+                             f"of min(max_prompt_rows, prefill_chunk) rows, and prefill_lane_rows must be >= 1")
 
         def prefill_insert(pool, new, slots):  # function names are the module names in a profile
             return jax.tree.map(lambda p, n: p.at[slots].set(n.astype(p.dtype), mode="drop"), pool, new)
@@ -274,6 +299,12 @@ class Engine:
             return self.prefiller(rows, np.full((b,), 2, np.int32),
                                   RequestSampling.make([SamplingParams()] * b, list(range(b))))
 
+        def prefill_packed(n, lanes):
+            prompt = np.zeros((2, K), np.int32)
+            prompt[:, 0] = self.model_cfg.eos_token_id
+            return self.prefiller.packed([prompt], RequestSampling.make([SamplingParams()] * lanes,
+                                                                        list(range(lanes))), n, lanes)
+
         def decode():  # one job for every size: each call donates and replaces the pool
             for n in self._decode_steps:
                 rows, self.pool = self._step(self._param_leaves, self.pool, n)
@@ -292,7 +323,10 @@ class Engine:
                                      bucket_frames=self.cfg.encode_bucket_frames)
 
         jobs = {f"decode step ({', '.join(map(str, self._decode_steps))} slots)": decode}
-        jobs.update({f"prefill batch {b}": functools.partial(prefill, b) for b in self.cfg.prefill_batch_sizes})
+        prefills = {f"prefill batch {b}": (b, functools.partial(prefill, b)) for b in self.cfg.batched_prefill_sizes}
+        prefills.update({f"prefill packed {n} rows ({lanes} lanes)": (lanes, functools.partial(prefill_packed, n, lanes))
+                         for n, lanes in self.cfg.packed_buckets})
+        jobs.update({name: fn for name, (_, fn) in prefills.items()})
         jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
                      for n in self.cfg.codec_batches for T in self.cfg.codec_buckets})
         encodes = {f"reference encode {n} frames": functools.partial(encode, n) for n in self.cfg.encode_buckets}
@@ -309,11 +343,12 @@ class Engine:
         with ThreadPoolExecutor(max_workers=max(1, self.cfg.compile_threads)) as ex:
             results = {name: ex.submit(timed, name, fn) for name, fn in jobs.items()}
             results = {name: f.result() for name, f in results.items()}
-        for b in self.cfg.prefill_batch_sizes:  # the scatter into the pool, all rows dropped
-            self.pool = self._insert(self.pool, results[f"prefill batch {b}"], jnp.asarray(np.full((b,), S, np.int32)))
+        inserts = {b: name for name, (b, _) in prefills.items()}  # the scatter into the pool, all rows dropped
+        for b, name in inserts.items():
+            self.pool = self._insert(self.pool, results[name], jnp.asarray(np.full((b,), S, np.int32)))
         jax.block_until_ready(self.pool)
         dt = time.perf_counter() - t0
-        log.info("warm-up: %d shapes compiled in %.1f s", len(jobs) + len(self.cfg.prefill_batch_sizes), dt)
+        log.info("warm-up: %d shapes compiled in %.1f s", len(jobs) + len(inserts), dt)
         self.metrics.compile_seconds.set(dt)
         self.metrics.warmup_pending.set(len(background))
         if background:
@@ -467,30 +502,28 @@ class Engine:
         if not self._should_admit():
             return False
         free = [i for i, r in enumerate(self.slots) if r is None]
-        batch: list[Request] = []
-        cap = self.cfg.prefill_batch_sizes[-1]
         with self.lock:
-            while self.continuations and len(batch) < cap:
-                batch.append(self.continuations.popleft())
-            room = min(cap - len(batch), len(free))
-            while self.waiting and room > 0 and not self.draining:
-                batch.append(self.waiting.popleft())
-                room -= 1
+            batch, packed = self._take_batch(len(free))
             self.metrics.queue_depth.set(len(self.waiting))
         if not batch:
             return False
-        B = next(b for b in self.cfg.prefill_batch_sizes if b >= len(batch))
         C = self.cfg.prefill_chunk
+        if packed:
+            n_rows = sum(len(r.prompt) for r in batch)
+            N, B = next((n, lanes) for n, lanes in self.cfg.packed_buckets if n >= n_rows and lanes >= len(batch))
+        else:
+            B = next(b for b in self.cfg.batched_prefill_sizes if b >= len(batch))
         T = -(-max(len(r.prompt) for r in batch) // C) * C
         K = self.model_cfg.row_width
-        rows = np.zeros((B, T, K), np.int32)
+        rows = None if packed else np.zeros((B, T, K), np.int32)
         lengths = np.full((B,), 2, np.int32)
         slot_ids = np.full((B,), self.cfg.max_streams, np.int32)  # padding entries are dropped by the scatter
         params, seeds = [SamplingParams()] * B, list(range(B))
         fresh_codec = np.zeros(self.cfg.max_streams, bool)
         for i, r in enumerate(batch):
             s = r.slot if r.slot >= 0 else free.pop(0)
-            rows[i, :len(r.prompt)] = r.prompt
+            if rows is not None:
+                rows[i, :len(r.prompt)] = r.prompt
             lengths[i] = len(r.prompt)
             slot_ids[i] = s
             params[i], seeds[i] = r.sampling, chunk_seed(r.seed, r.chunk_index)
@@ -506,7 +539,11 @@ class Engine:
                 r.t_admit = t0
                 self.metrics.queue_wait_seconds.observe(t0 - r.t_arrival)
                 self._stats["queue_wait"].append(t0 - r.t_arrival)
-        new = self.prefiller(rows, lengths, RequestSampling.make(params, seeds))
+        sampling = RequestSampling.make(params, seeds)
+        if packed:
+            new = self.prefiller.packed([r.prompt for r in batch], sampling, N, B)
+        else:
+            new = self.prefiller(rows, lengths, sampling)
         self.pool = self._insert(self.pool, new, jnp.asarray(slot_ids))
         if fresh_codec.any():
             self.codec_state = self.codec.reset(self.codec_state, fresh_codec)
@@ -516,6 +553,34 @@ class Engine:
         self.metrics.prefill_batch.observe(len(batch))
         self.metrics.active.set(self.active_count())
         return True
+
+    def _take_batch(self, free: int) -> tuple[list[Request], bool]:
+        """The requests of the next prefill call, in arrival order: text-chunk continuations (they keep their slots),
+        then new requests while slots are free. Returns (requests, packed). Packed (`prefill_packed_rows`, when the
+        first prompt fits one chunk): prompts while they fit the largest packed call; a longer prompt starts its own
+        call. Else a [batch, chunk] call (with packing on, one long prompt)."""
+        C, packs = self.cfg.prefill_chunk, self.cfg.packed_buckets
+        if self.continuations:
+            first = self.continuations[0]
+        elif self.waiting and free and not self.draining:
+            first = self.waiting[0]
+        else:
+            return [], False
+        packed = bool(packs) and len(first.prompt) <= C
+        cap = packs[-1][1] if packed else self.cfg.batched_prefill_sizes[-1]
+        batch: list[Request] = []
+        rows = 0
+        for q in (self.continuations, self.waiting):
+            while q and len(batch) < cap:
+                r = q[0]
+                if r.slot < 0 and (self.draining or free == 0):
+                    break
+                if packed and (len(r.prompt) > C or rows + len(r.prompt) > packs[-1][0]):
+                    return batch, packed  # it starts the next call: arrival order is kept
+                batch.append(q.popleft())
+                rows += len(r.prompt)
+                free -= r.slot < 0
+        return batch, packed
 
     def _tick(self):
         ph, t = self._phases, time.perf_counter()

@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--frames-per-step", type=int, default=1, help="decode frames per host round trip")
     ap.add_argument("--prefill-batch-sizes", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--prefill-chunk", type=int, default=512, help="prompt rows per prefill call")
+    ap.add_argument("--prefill-packed-rows", type=int, nargs="*", default=[512, 1024, 2048, 4096],
+                    help="row counts of the packed prefill calls (prompts of up to --prefill-chunk rows end to end); "
+                         "no values: no packing, every prompt padded to whole chunks in --prefill-batch-sizes calls")
+    ap.add_argument("--prefill-lane-rows", type=int, default=256,
+                    help="a packed call of N rows holds at most N // this many prompts")
     ap.add_argument("--prefill-busy-streams", type=int, default=32)
     ap.add_argument("--prefill-min-batch", type=int, default=6)
     ap.add_argument("--prefill-max-wait-ms", type=float, default=100.0)
@@ -177,6 +182,7 @@ def main(argv=None):
     cfg = EngineConfig(max_streams=args.max_streams, max_queue=args.max_queue, max_prompt_rows=args.max_prompt_rows,
                        max_new_tokens=args.max_new_tokens, frames_per_step=args.frames_per_step,
                        prefill_batch_sizes=tuple(sorted(args.prefill_batch_sizes)), prefill_chunk=args.prefill_chunk,
+                       prefill_packed_rows=tuple(args.prefill_packed_rows), prefill_lane_rows=args.prefill_lane_rows,
                        prefill_busy_streams=args.prefill_busy_streams, prefill_min_batch=args.prefill_min_batch,
                        prefill_max_wait_ms=args.prefill_max_wait_ms, admit_guard_s=args.admit_guard_s,
                        admit_guard_new_s=args.admit_guard_new_s,
@@ -199,8 +205,8 @@ def main(argv=None):
                         max_input_chars=args.max_input_chars, benchmark_mode=args.benchmark_mode,
                         api_key=args.api_key)
     app = create_app(state)
-    log.info("compiling prefill (batch sizes %s, %d-row chunks), the decode step and the codec ...",
-             cfg.prefill_batch_sizes, cfg.prefill_chunk)
+    log.info("compiling prefill (packed calls of (rows, prompts) %s, batch sizes %s of %d-row chunks), the decode "
+             "step and the codec ...", cfg.packed_buckets, cfg.batched_prefill_sizes, cfg.prefill_chunk)
     dt = engine.warm_up()
     log.info("warm-up (compilation) took %.1f s", dt)
     freeze_heap_and_watch_gc(metrics.gc_pause_seconds, args.stall_warn_s)

@@ -17,7 +17,7 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
            "--configs", "full", "sync_tick", "sampling_ref", "pool_0.75x", "--streams", "2", "--warmup", "1",
            "--max-new-tokens", "8", "--ref-seconds", "0.5", "1", "--trace-s", "2", "--trace-delay-s", "0",
            "--compilation-cache", str(tmp_path / "xla"),
-           "--engine", "prefill_chunk=64", "prefill_batch_sizes=1,2", "max_reference_frames=224"]
+           "--engine", "prefill_chunk=64", "prefill_batch_sizes=1,2", "prefill_packed_rows=256", "max_reference_frames=224"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -57,10 +57,10 @@ def test_config_rows_compose():
 
     base = EngineConfig(max_streams=8)
     base = dataclasses.replace(base, backends=dataclasses.replace(base.backends, moe_activations="fp8"))
-    off, change = config_change(config_name("prefill_chunk_256+prefill_batch_4+moe_w8a16"))
+    off, change = config_change(config_name("prefill_chunk_256+unpacked_prefill+moe_w8a16"))
     cfg = change(base)
-    assert (cfg.prefill_chunk, cfg.prefill_batch_sizes, cfg.backends.moe_activations) == (256, (1, 4), "bf16")
-    assert cfg == dataclasses.replace(base, prefill_chunk=256, prefill_batch_sizes=(1, 4),
+    assert (cfg.prefill_chunk, cfg.prefill_packed_rows, cfg.backends.moe_activations) == (256, (), "bf16")
+    assert cfg == dataclasses.replace(base, prefill_chunk=256, prefill_packed_rows=(), prefill_batch_sizes=(1, 4, 8),
                                       backends=dataclasses.replace(base.backends, moe_activations="bf16"))
     assert off.count(";") == 2 and "256-row" in off
     assert config_change(config_name("full"))[1](base) == base

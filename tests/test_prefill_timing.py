@@ -1,4 +1,4 @@
-"""experiments/prefill_timing.py on the tiny preset (CPU): both variants timed and profiled, with a roofline."""
+"""experiments/prefill_timing.py on the tiny preset (CPU): every variant timed and profiled, with a roofline."""
 
 from __future__ import annotations
 
@@ -8,17 +8,20 @@ from experiments import prefill_timing
 
 
 def test_prefill_timing_table(tmp_path):
-    rc = prefill_timing.main(["--out", str(tmp_path), "--preset", "tiny", "--batch", "2", "--chunk", "256",
-                              "--calls", "1", "--prompts", "3", "--max-len", "520",
+    rc = prefill_timing.main(["--out", str(tmp_path), "--preset", "tiny", "--batch", "2", "--chunk", "512",
+                              "--calls", "1", "--prompts", "3", "--max-len", "1030",
                               "--profile-calls", "1"])
     assert rc == 0
     R = json.loads((tmp_path / "prefill_timing.json").read_text())
-    assert [(r["variant"], r["batch"]) for r in R["rows"]] == [("default", 2), ("no_skip", 2)]
+    assert [(r["variant"], r["batch"]) for r in R["rows"]] == [("default", 2), ("no_skip", 2), ("packed", 2)]
     assert 150 < R["length_mean"] < 500  # the synthetic set's prompts, built by the server's prompt builder
     for r in R["rows"]:
         assert "error" not in r, r.get("error")
         assert r["ms"] > 0 and r["roofline_ms"] > 0 and 0 < r["valid_rows"] <= r["padded_rows"]
     assert R["rows"][0]["backends"]["moe_skip_padding"] and not R["rows"][1]["backends"]["moe_skip_padding"]
+    packed = R["rows"][2]
+    assert packed["prompts"] == 2 and packed["padded_rows"] == packed["packed_rows"] == 1024  # (1024, 4 lanes)
+    assert packed["valid_rows"] <= 1024 and packed["lanes"] == 4
     md = (tmp_path / "prefill_timing.md").read_text()
     assert "| no_skip | 2 |" in md and "by category" in md
     ms = R["rows"][0]["profile"]["kernel_ms_per_call"]
