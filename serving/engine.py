@@ -80,7 +80,10 @@ class EngineConfig:
     # rows; the smallest call that holds the batch is used. Longer prompts go alone through the smallest of
     # `prefill_batch_sizes`, compiled only when `max_prompt_rows` allows them. () = no packing: every prompt is padded
     # to whole chunks in [batch, chunk] calls of `prefill_batch_sizes`
-    prefill_packed_rows: tuple[int, ...] = (512, 1024, 2048, 4096)
+    # rows: on the H200 at 128 streams the admission takes ~7 prompts (~2,400 rows) per call, so with (512, 1024,
+    # 2048, 4096) every busy call ran at 4,096 rows, as many as the [8, 512] batch it replaced (147.7 vs 146.5 audio
+    # s/s, experiments/results/serve_bench_10/); 2,560 and 3,072 make those calls fit
+    prefill_packed_rows: tuple[int, ...] = (512, 1024, 2048, 2560, 3072, 4096)
     prefill_lane_rows: int = 256
     # admission policy: below `prefill_busy_streams` running streams admit at once; above it wait until
     # `prefill_min_batch` requests are queued or the oldest has waited `prefill_max_wait_ms`

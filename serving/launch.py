@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--frames-per-step", type=int, default=1, help="decode frames per host round trip")
     ap.add_argument("--prefill-batch-sizes", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--prefill-chunk", type=int, default=512, help="prompt rows per prefill call")
-    ap.add_argument("--prefill-packed-rows", type=int, nargs="*", default=[512, 1024, 2048, 4096],
+    ap.add_argument("--prefill-packed-rows", type=int, nargs="*", default=[512, 1024, 2048, 2560, 3072, 4096],
                     help="row counts of the packed prefill calls (prompts of up to --prefill-chunk rows end to end); "
                          "no values: no packing, every prompt padded to whole chunks in --prefill-batch-sizes calls")
     ap.add_argument("--prefill-lane-rows", type=int, default=256,
