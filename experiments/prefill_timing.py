@@ -104,12 +104,12 @@ def batch_rows(cfg, lengths: np.ndarray, chunk: int, rng) -> np.ndarray:
 
 
 def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarray, calls: int, max_len: int,
-                 profile_n: int = 0, trace_dir: str = "", packed: bool = False):
+                 profile_n: int = 0, trace_dir: str = "", packed: bool = False, lane_rows: int = 256):
     """batch prompts per call ([batch, chunk] calls), or with `packed` up to batch prompts per packed call of the
     engine's default buckets (EngineConfig.packed_buckets), a fixed bucket per run (the first call's)."""
     prefiller = Prefiller(model, max_len, chunk, backends, state_dtype=jnp.bfloat16)
     rng = np.random.default_rng(batch)
-    buckets = EngineConfig(prefill_chunk=chunk).packed_buckets
+    buckets = EngineConfig(prefill_chunk=chunk, prefill_lane_rows=lane_rows).packed_buckets
     if packed:
         lengths = lengths[lengths <= chunk]  # longer prompts take the [batch, chunk] path in the engine
     lens0, N, lanes = packed_call(lengths, 0, batch, buckets) if packed else (None, 0, batch)
@@ -194,6 +194,8 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="+", default=["default", "no_skip", "packed"],
                     choices=["default", "no_skip", "packed"])
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--lane-rows", type=int, nargs="+", default=[256],
+                    help="packed variant: one row per value of the engine's prefill_lane_rows (lanes = rows // it)")
     ap.add_argument("--prompts", type=int, default=64, help="prompts of the synthetic set whose lengths are used")
     ap.add_argument("--max-len", type=int, default=1026, help="cache rows per prompt (the server's default)")
     ap.add_argument("--profile-calls", type=int, default=0, help="calls profiled after the timing (0: none)")
@@ -211,13 +213,15 @@ def main(argv=None):
          "length_mean": float(lengths.mean()), "weight_gb": weight_bytes / 1e9, "active_params_b": active / 1e9,
          "rows": []}
     errors: list = []
-    for name in args.variants:
+    runs = [(name, lr) for name in args.variants for lr in (args.lane_rows if name == "packed" else [0])]
+    for name, lane_rows in runs:
         backends = variants(cfg)[name]
         for b in args.batch:
-            row = {"variant": name, "batch": b, "backends": dataclasses.asdict(backends)}
+            row = {"variant": name + (f"_lanes{lane_rows}" if name == "packed" and len(args.lane_rows) > 1 else ""),
+                   "batch": b, "backends": dataclasses.asdict(backends)}
             res = guard(errors, f"{name} batch {b}", time_variant, model, cfg, backends, b, args.chunk, lengths,
                         args.calls, args.max_len, args.profile_calls, os.path.join(args.out, f"trace_{name}_{b}"),
-                        name == "packed")
+                        name == "packed", lane_rows or 256)
             if res is None:
                 row["error"] = errors[-1][:200]
             else:
