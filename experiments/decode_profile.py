@@ -192,6 +192,20 @@ def op_names_from_hlo(text: str) -> dict:
     return out
 
 
+def kernel_names_from_hlo(text: str) -> dict:
+    """GPU kernel name -> op_name, for trace events without an `hlo_op` (kernels replayed from a command buffer
+    carry only their kernel name): a fusion's kernel is its instruction name with '.' and '-' as '_'; a Pallas
+    kernel is the `name` in its custom call's backend config (every layer's call has the same scope path)."""
+    out = {}
+    for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=(.*?)op_name="([^"]*)"(.*)$', text, re.M):
+        name, before, op_name, after = m.groups()
+        out.setdefault(re.sub(r"[.\-]", "_", name), op_name)
+        k = re.search(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)\\?"', before + after)
+        if k and "custom-call" in name:
+            out.setdefault(k.group(1), op_name)
+    return out
+
+
 def category_of(op_name: str, categories: tuple[str, ...] = CATEGORIES) -> str:
     parts = op_name.split("/")
     for c in categories:
@@ -229,7 +243,7 @@ def profile_calls(run, hlo_text: str, n_calls: int, trace_dir: str, *, warmup: i
     by category (the first of `categories` among the name scopes of `hlo_text`'s ops), by op and by name-scope path.
     With `module`, kernels of other jitted modules (e.g. a prefill's cache set-up) are summed apart as
     "other_modules_ms_per_call"."""
-    names = op_names_from_hlo(hlo_text)
+    names, kernels = op_names_from_hlo(hlo_text), kernel_names_from_hlo(hlo_text)
     for _ in range(warmup):
         jax.block_until_ready(run())
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -246,13 +260,13 @@ def profile_calls(run, hlo_text: str, n_calls: int, trace_dir: str, *, warmup: i
             other_modules += dur
             continue
         hlo_op = args.get("hlo_op", "")
-        op_name = names.get(hlo_op)
+        op_name = names.get(hlo_op) or kernels.get(e["name"])
         if op_name is None:
             unattributed += dur
             per_op[f"(unattributed) {e['name'][:60]}"] += dur
             continue
         per_cat[category_of(op_name, categories)] += dur
-        per_op[f"{hlo_op} {op_name[-80:]}"] += dur
+        per_op[f"{hlo_op or e['name'][:40]} {op_name[-80:]}"] += dur
         per_scope[op_name][0] += dur
         per_scope[op_name][1] += 1 / n_calls
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / n_calls if events else 0

@@ -50,3 +50,22 @@ def test_variant_patches_hold_while_open_and_are_undone():
     stack.close()
     assert (routing.RANK_MAX_PAIRS, routing_triton.MAX_PAIRS, pallas_triton.TUNING["decode"]) == before
     decode_profile.variant_patches("pallas_bf16").close()  # a variant without patches
+
+
+def test_kernels_replayed_without_an_hlo_op_are_found_by_kernel_name():
+    """Trace events of kernels replayed from a command buffer carry only the kernel name: a fusion's kernel name is
+    its instruction name with '.' and '-' as '_', a Pallas kernel's the `name` of its custom call's backend config."""
+    from experiments.decode_profile import kernel_names_from_hlo, op_names_from_hlo
+    hlo = "\n".join([
+        '  %loop_transpose_fusion.22 = bf16[8,512]{1,0} fusion(%p), kind=kLoop, calls=%f, '
+        'metadata={op_name="jit(prefill_step)/backbone/gdn_core/transpose"}',
+        '  ROOT %custom-call.7 = f32[64]{0} custom-call(%x), custom_call_target="__gpu$xla.gpu.triton", '
+        'metadata={op_name="jit(prefill_step)/backbone/moe_experts/pallas_call"}, '
+        'backend_config={"name":"moe_gate_up_swiglu","ir":"abc","num_warps":4}',
+        '  %add.3 = f32[64]{0} add(%a, %b)',
+    ])
+    k = kernel_names_from_hlo(hlo)
+    assert k["loop_transpose_fusion_22"] == "jit(prefill_step)/backbone/gdn_core/transpose"
+    assert k["moe_gate_up_swiglu"] == "jit(prefill_step)/backbone/moe_experts/pallas_call"
+    assert k["custom_call_7"] == k["moe_gate_up_swiglu"] and "add_3" not in k
+    assert op_names_from_hlo(hlo)["loop_transpose_fusion.22"] == k["loop_transpose_fusion_22"]
