@@ -28,7 +28,8 @@ def server(tmp_path_factory):
     media = tmp_path_factory.mktemp("media")
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     cmd = [sys.executable, "-m", "serving.launch", "--port", str(port), "--max-streams", "8", "--max-queue", "16",
-           "--max-new-tokens", "64", "--max-prompt-rows", "512", "--prefill-chunk", "128", "--benchmark-mode",
+           "--max-new-tokens", "64", "--max-prompt-rows", "512", "--prefill-chunk", "128",
+           "--prefill-packed-rows", "256", "512", "--prefill-lane-rows", "128", "--benchmark-mode",
            "--codec-first-chunk", "4", "--codec-chunk", "8", "--dtype", "float32", "--encode-warmup", "background",
            "--allowed-local-media-path", str(media), "--voices-dir", str(tmp_path_factory.mktemp("voices")),
            "--log-level", "info"]
