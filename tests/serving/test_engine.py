@@ -22,7 +22,7 @@ def engine():
     talker, tok, codec = tiny_random_parts(jnp.float32)
     eng = Engine(talker, tok, codec, EngineConfig(max_streams=128, max_new_tokens=10, max_prompt_rows=512,
                                                   prefill_chunk=128, prefill_batch_sizes=(1, 8),
-                                                  prefill_packed_rows=(256, 1024), prefill_lane_rows=128,
+                                                  prefill_packed_rows=(1024,), prefill_lane_rows=128,
                                                   prefill_busy_streams=1000, codec_first_chunk=4, codec_chunk=8,
                                                   compile_threads=4, decode_sizes=(8, 64)))
     eng.start()
