@@ -20,9 +20,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import Drama3Config, TextConfig
-from drama3_jax.packing import Packing
 from drama3_jax.nn import (Embedding, FusedLinear, Linear, RMSNorm, apply_rope_rotate_half, gated_cached_attention,
                            rms_norm, swiglu)
+from drama3_jax.packing import Packing
 from kernels.dense.api import linear
 from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, gdn_gates

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import TowerConfig
-from drama3_jax.packing import Packing
 from drama3_jax.nn import (Embedding, FusedLinear, Linear, RMSNorm, apply_rope_interleaved, gated_cached_attention,
                            swiglu)
+from drama3_jax.packing import Packing
 
 
 @jax.tree_util.register_dataclass

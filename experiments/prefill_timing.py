@@ -56,17 +56,16 @@ def variants(cfg) -> dict[str, Backends]:
     return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False), "packed": base}
 
 
-def packed_call(lengths: np.ndarray, start: int, batch: int, buckets) -> tuple[np.ndarray, int, int]:
-    """Up to `batch` prompts from lengths[start:] (cyclic) that fit the largest packed call, and the smallest
-    (rows, lanes) bucket holding them, as the engine's admission picks them."""
+def packed_call(lengths: np.ndarray, start: int, batch: int, max_rows: int, max_lanes: int) -> np.ndarray:
+    """Up to `batch` prompts from lengths[start:] (cyclic), in order while they fit max_rows rows and max_lanes
+    lanes, as the engine's admission picks them for its largest packed call."""
     lens = []
-    for i in range(batch):
+    for i in range(min(batch, max_lanes)):
         n = int(lengths[(start + i) % len(lengths)])
-        if sum(lens) + n > buckets[-1][0]:
+        if sum(lens) + n > max_rows:
             break
         lens.append(n)
-    N, lanes = next((n, l) for n, l in buckets if n >= sum(lens) and l >= len(lens))
-    return np.array(lens, np.int64), N, lanes
+    return np.array(lens, np.int64)
 
 
 def prompt_lengths(cfg, n: int) -> np.ndarray:
@@ -112,7 +111,10 @@ def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarr
     buckets = EngineConfig(prefill_chunk=chunk, prefill_lane_rows=lane_rows).packed_buckets
     if packed:
         lengths = lengths[lengths <= chunk]  # longer prompts take the [batch, chunk] path in the engine
-    lens0, N, lanes = packed_call(lengths, 0, batch, buckets) if packed else (None, 0, batch)
+    N, lanes = 0, batch
+    if packed:  # the bucket of the first call's prompts; later calls take what fits in it
+        lens0 = packed_call(lengths, 0, batch, *buckets[-1])
+        N, lanes = next((n, l) for n, l in buckets if n >= lens0.sum() and l >= len(lens0))
     sampling = RequestSampling.make([SamplingParams()] * lanes, list(range(lanes)))
 
     def make_call(i):
@@ -120,10 +122,7 @@ def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarr
             lens = lengths[(i * batch + np.arange(batch)) % len(lengths)]
             rows = batch_rows(cfg, lens, chunk, rng)
             return lens, lambda: prefiller(rows, lens, sampling)
-        lens, n, lanes_i = packed_call(lengths, i * batch, batch, buckets)
-        while n > N or lanes_i > lanes:  # keep the compiled bucket: drop the last prompt
-            lens = lens[:-1]
-            n, lanes_i = next((b, l) for b, l in buckets if b >= lens.sum() and l >= len(lens))
+        lens = packed_call(lengths, i * batch, batch, N, lanes)
         prompts = [row[:n_i] for row, n_i in zip(batch_rows(cfg, lens, chunk, rng), lens)]
         return lens, lambda: prefiller.packed(prompts, sampling, N, lanes)
 

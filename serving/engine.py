@@ -79,8 +79,8 @@ class EngineConfig:
     # and the GDN recurrence run per prompt over rows // `prefill_lane_rows` lanes (at least 1) of `prefill_chunk`
     # rows; the smallest call that holds the batch is used. Longer prompts go alone through the smallest of
     # `prefill_batch_sizes`, compiled only when `max_prompt_rows` allows them. () = no packing: every prompt is padded
-    # to whole chunks in [batch, chunk] calls of `prefill_batch_sizes`
-    # rows: on the H200 at 128 streams the admission takes ~7 prompts (~2,400 rows) per call, so with (512, 1024,
+    # to whole chunks in [batch, chunk] calls of `prefill_batch_sizes`.
+    # On the H200 at 128 streams the admission takes ~7 prompts (~2,400 rows) per call, so with (512, 1024,
     # 2048, 4096) every busy call ran at 4,096 rows, as many as the [8, 512] batch it replaced (147.7 vs 146.5 audio
     # s/s, experiments/results/serve_bench_10/); 2,560 and 3,072 make those calls fit
     prefill_packed_rows: tuple[int, ...] = (512, 1024, 2048, 2560, 3072, 4096)
@@ -510,15 +510,15 @@ class Engine:
             self.metrics.queue_depth.set(len(self.waiting))
         if not batch:
             return False
-        C = self.cfg.prefill_chunk
         if packed:
             n_rows = sum(len(r.prompt) for r in batch)
             N, B = next((n, lanes) for n, lanes in self.cfg.packed_buckets if n >= n_rows and lanes >= len(batch))
+            rows = None
         else:
             B = next(b for b in self.cfg.batched_prefill_sizes if b >= len(batch))
-        T = -(-max(len(r.prompt) for r in batch) // C) * C
-        K = self.model_cfg.row_width
-        rows = None if packed else np.zeros((B, T, K), np.int32)
+            C = self.cfg.prefill_chunk
+            T = -(-max(len(r.prompt) for r in batch) // C) * C
+            rows = np.zeros((B, T, self.model_cfg.row_width), np.int32)
         lengths = np.full((B,), 2, np.int32)
         slot_ids = np.full((B,), self.cfg.max_streams, np.int32)  # padding entries are dropped by the scatter
         params, seeds = [SamplingParams()] * B, list(range(B))
