@@ -12,6 +12,11 @@ Variants (streams B = 1, 32, 128, 256):
   keys_only   the key derivation alone (included in all of the above)
 plus, at B = 128, tuning variants of the batched kernels (num_warps, candidate cap).
 
+Phases (--phases): "time" (the loop timing above) and "profile": device time per kernel from a profiler trace of
+single jitted steps (GPU kernel durations, no launch gaps), for per_head and batched and the per-head tuning variants
+at --profile-streams; kernels are grouped as main (sample_main_ras), heads (sample_filtered) and other (the key
+derivation), with the median duration of one launch of each.
+
 Timing: a jitted fori_loop runs N steps; each step samples NSETS independent input sets (separate buffers, so the
 logits read per loop iteration exceed the 50 MB L2 at B >= 128) with the frame index advancing; host clock around
 block_until_ready after a compile + warm-up call; time per step = median over repeats / (N * NSETS). Roofline: the
@@ -153,7 +158,11 @@ def main(argv=None):
     ap.add_argument("--streams", default="1,32,128,256")
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--threads", type=int, default=12)
+    ap.add_argument("--phases", default="time", help="comma list of: time, profile")
+    ap.add_argument("--profile-streams", default="128")
+    ap.add_argument("--profile-steps", type=int, default=20)
     args = ap.parse_args(argv)
+    phases = set(args.phases.split(","))
     os.makedirs(args.out, exist_ok=True)
     if args.cpu_smoke:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -177,7 +186,7 @@ def main(argv=None):
 
     # ---- jobs: (name, B, variant, kw, n), in priority order (B = 128 first, tuning last)
     jobs = []
-    order_B = sorted(streams, key=lambda B: (B != 128, -B))
+    order_B = sorted(streams, key=lambda B: (B != 128, -B)) if "time" in phases else []
     for B in order_B:
         n_ref = max(2, min(20, 2000 // max(B, 1)))
         n_k = 2 if args.cpu_smoke else 50
@@ -185,7 +194,7 @@ def main(argv=None):
                  ("batched", B, "batched", smoke_kw, n_k),
                  ("per_head", B, "per_head", smoke_kw, n_k),
                  ("keys_only", B, "keys_only", {}, n_k)]
-    if 128 in streams and not args.cpu_smoke:
+    if 128 in order_B and not args.cpu_smoke:
         for name, kw in [("batched rows_w8", {"rows": {"num_warps": 8}}),
                          ("batched rows_w8 main_w16", {"rows": {"num_warps": 8}, "main": {"num_warps": 16}}),
                          ("batched rows_w16 main_w16", {"rows": {"num_warps": 16}, "main": {"num_warps": 16}}),
@@ -259,6 +268,8 @@ def main(argv=None):
         log("ERROR check", type(e).__name__, str(e)[:800])
     save(args.out)
 
+    if "profile" in phases:
+        profile_phase(jax, jnp, np, args, ex, smoke_kw, left)
     for j, fu in futs:
         name, B, variant, kw, n = j
         if left() <= 0:
@@ -281,6 +292,71 @@ def main(argv=None):
     print_table()
     sys.stdout.flush()
     os._exit(0)   # do not wait for compiles still running past the budget
+
+
+PROFILE_VARIANTS = [   # (name, variant, kernel kwargs): per-head launch shape tunings of the head kernel
+    ("per_head", "per_head", {}),
+    ("batched", "batched", {}),
+    ("per_head rows_w4", "per_head", {"rows": {"num_warps": 4}}),
+    ("per_head rows_w16", "per_head", {"rows": {"num_warps": 16}}),
+    ("per_head rows_g64", "per_head", {"rows": {"groups": 64}}),
+    ("per_head rows_c32", "per_head", {"rows": {"cand": 32}}),
+    ("per_head main_w8", "per_head", {"main": {"num_warps": 8}}),
+    ("per_head main_c64", "per_head", {"main": {"cand": 64}}),
+]
+
+
+def kernel_group(name: str) -> str:
+    return "main" if "sample_main" in name else "heads" if "sample_filtered" in name else "other"
+
+
+def profile_phase(jax, jnp, np, args, ex, smoke_kw, left):
+    """Device time per kernel group of one step (us), from a profiler trace of --profile-steps jitted steps."""
+    from experiments.decode_profile import gpu_kernel_events, kernel_names_from_hlo, op_names_from_hlo
+
+    streams = [2] if args.cpu_smoke else [int(b) for b in args.profile_streams.split(",")]
+    variants = PROFILE_VARIANTS[:2] if args.cpu_smoke else PROFILE_VARIANTS
+    n = 2 if args.cpu_smoke else args.profile_steps
+    todo = []
+    for B in streams:
+        inp = make_inputs(jax, jnp, np, B, seed=5000 + B)
+        for name, variant, kw in variants:
+            kw = {k: {**smoke_kw.get(k, {}), **kw.get(k, {})} for k in ("main", "rows")}
+            fn = jax.jit(build(jax, jnp, variant, **kw))
+            todo.append((name, B, inp, ex.submit(lambda f=fn, i=inp: f.lower(i, 0).compile())))
+    for name, B, inp, fut in todo:
+        if left() <= 0:
+            R["errors"].append(f"budget reached before profiling {name} B={B}")
+            continue
+        try:
+            step = fut.result(timeout=max(1.0, left()))
+            for f in range(3):
+                jax.block_until_ready(step(inp, f))
+            trace_dir = os.path.join(args.out, "trace", f"{name.replace(' ', '_')}_{B}")
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                for f in range(n):
+                    out = step(inp, 3 + f)
+                jax.block_until_ready(out)
+            hlo = step.as_text()
+            names, kernels = op_names_from_hlo(hlo), kernel_names_from_hlo(hlo)
+            durs = {}
+            for e in gpu_kernel_events(trace_dir):
+                scope = names.get(e.get("args", {}).get("hlo_op", ""), "") + " " + kernels.get(e["name"], "")
+                durs.setdefault(kernel_group(e["name"] + " " + scope), []).append(e["dur"])
+            rec = dict(name=name, B=B, steps=n, total_us=sum(map(sum, durs.values())) / n)
+            for g, d in durs.items():
+                rec[g] = dict(us_per_step=sum(d) / n, launches_per_step=len(d) / n,
+                              median_launch_us=float(np.median(d)))
+            R.setdefault("profile", []).append(rec)
+            log(f"profile {name:22s} B={B:4d} total {rec['total_us']:7.1f} us/step  " + "  ".join(
+                f"{g} {v['us_per_step']:.1f} ({v['launches_per_step']:.0f} x {v['median_launch_us']:.1f})"
+                for g, v in rec.items() if isinstance(v, dict)))
+        except cf.TimeoutError:
+            R["errors"].append(f"budget reached while compiling {name} B={B} (profile)")
+        except Exception as e:
+            R["errors"].append(f"profile {name} B={B}: {type(e).__name__}: {str(e)[:1500]}")
+            log("ERROR profile", name, B, type(e).__name__, str(e)[:800])
+        save(args.out)
 
 
 def _table_rows():
@@ -315,6 +391,13 @@ def write_md(out):
     if R["tuning"]:
         lines += ["", "Tuning variants (B = 128, batched):", "", "| variant | µs |", "|---|---|"]
         lines += [f"| {t['name']} | {t['us']:.1f} |" for t in R["tuning"]]
+    if R.get("profile"):
+        lines += ["", "Device time per step from a profiler trace (GPU kernel durations; us per step, launches x median "
+                      "us per launch):", "", "| variant | streams | total | main | heads | other |", "|---|---|---|---|---|---|"]
+        cell = lambda v: "-" if v is None else (f"{v['us_per_step']:.1f} ({v['launches_per_step']:.0f} x "
+                                                f"{v['median_launch_us']:.1f})")
+        lines += [f"| {p['name']} | {p['B']} | {p['total_us']:.1f} | {cell(p.get('main'))} | {cell(p.get('heads'))} | "
+                  f"{cell(p.get('other'))} |" for p in R["profile"]]
     if R.get("checks"):
         lines += ["", "Device check, kernel vs reference samples on the same inputs and keys (the 4 timing sets + one "
                       "set built to reach every path, 2 frames each):", ""]
@@ -338,6 +421,9 @@ def print_table():
               f"{_f(r['roofline'])}")
     for t in R["tuning"]:
         print(f"  tuning {t['name']}: {t['us']:.1f} us")
+    for p in R.get("profile", []):
+        print(f"  profile {p['name']} B={p['B']}: {p['total_us']:.1f} us/step (" + ", ".join(
+            f"{g} {p[g]['us_per_step']:.1f}" for g in ("main", "heads", "other") if g in p) + ")")
     for c in R.get("checks", []):
         print(f"  check {c['variant']} B={c['B']}: main {c['mismatch_main']}/{c['rows_main']}, heads "
               f"{c['mismatch_heads']}/{c['rows_heads']} mismatches")

@@ -46,6 +46,7 @@ live in TUNING.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,20 +122,45 @@ def _isum(mask):
 #    so no jnp.where(pred, 1, 0)-style selects here (one side is always a traced value);
 #  * a branch of a cond must not return a literal (return a value computed from an operand instead);
 #  * loops have static trip counts (a traced bound hits the select issue above).
-def _compact(mask, n, zv, idx, *, row, sz_ref, si_ref, C: int, interpret: bool):
-    """Values and indices of the `n` <= C lanes of `mask`, in index order, as [C] vectors (-inf / 0 past n), through
-    the row's scratch: inclusive prefix count -> masked scatter -> barrier -> reload."""
+class _Tail(NamedTuple):
+    """The main token's last candidate (EOS), held as a scalar beside the tile so that the tile is exactly the
+    power-of-two band: the 4,097-candidate row would otherwise pad to 8,192 lanes and double every pass."""
+    z: jax.Array        # scaled logit, f32 scalar
+    idx: int            # its index in the row (V - 1)
+
+
+def _count(pred, tile, valid, tail):
+    """#{tokens x of the row (tile lanes where valid, and the tail) with pred(x)}."""
+    n = _isum(valid & pred(tile))
+    return n if tail is None else n + pred(tail).astype(i32)
+
+
+def _mass(pred, tile, valid, e, tail, tail_e):
+    """Sum of e over the tokens of the row with pred(x) (tile lanes where valid, and the tail)."""
+    s = jnp.sum(jnp.where(valid & pred(tile), e, 0.0))
+    return s if tail is None else s + jnp.where(pred(tail), tail_e, 0.0)
+
+
+def _compact(mask, n, zv, idx, *, row, sz_ref, si_ref, C: int, interpret: bool, tail=None, tail_in=None):
+    """Values and indices of the `n` <= C selected tokens, in index order, as [C] vectors (-inf / 0 past n), through
+    the row's scratch: inclusive prefix count of the tile's `mask` -> masked scatter -> barrier -> reload. With a
+    tail, `n` counts it too when `tail_in`; it is the row's last token, so it goes last."""
+    n_tile = n if tail is None else n - tail_in.astype(i32)
     ci = mask.astype(i32)
     rowcnt = jnp.sum(ci, axis=1)                                              # [R]
     incl = (jnp.cumsum(rowcnt) - rowcnt)[:, None] + jnp.cumsum(ci, axis=1)    # inclusive prefix count, [R, G]
-    # masked lanes get distinct slots above n: never written on the GPU, and the interpreter's read-modify-write of
-    # masked lanes cannot clobber a selected one
-    pos = jnp.where(mask, incl - 1, n + idx - incl)
+    # masked lanes get distinct slots above n_tile: never written on the GPU, and the interpreter's
+    # read-modify-write of masked lanes cannot clobber a selected one
+    pos = jnp.where(mask, incl - 1, n_tile + idx - incl)
     _barrier(interpret)                       # earlier readers of the scratch row are done
     plt.store(sz_ref.at[row, pos], zv, mask=mask)
     plt.store(si_ref.at[row, pos], idx, mask=mask)
-    _barrier(interpret)
     c = jax.lax.broadcasted_iota(i32, (C,), 0)
+    if tail is not None:                      # one lane of a [C] store: slot n_tile (< C when it is selected)
+        at = tail_in & (c == n_tile)
+        plt.store(sz_ref.at[row, c], jnp.full((C,), tail.z), mask=at)
+        plt.store(si_ref.at[row, c], c * 0 + tail.idx, mask=at)
+    _barrier(interpret)
     cm = c < n
     cz = plt.load(sz_ref.at[row, c], mask=cm, other=NEG_INF)
     cidx = plt.load(si_ref.at[row, c], mask=cm, other=0)
@@ -148,20 +174,27 @@ def _mass_above(cz, cp, base, crossing: bool):
     return base + jnp.sum(jnp.where(above, cp[None, :], 0.0), axis=1)
 
 
-def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, si_ref, V: int, G: int, C: int,
-          NB: int, interpret: bool, load_z, RC: int):
-    """One filtered Gumbel-max draw from the [R, G] tile z (already temperature-scaled). load_z(r0) reloads tile rows
-    [r0, r0 + RC) of z (the full-row noise is drawn in such chunks, to bound the registers the hash needs).
+def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, si_ref, V: int, G: int,
+          C: int, NB: int, interpret: bool, load_z, RC: int):
+    """One filtered Gumbel-max draw from the [R, G] tile z (already temperature-scaled) and, for the main token, the
+    scalar tail (_Tail, else None); V counts every token of the row, the tail included. load_z(r0) reloads tile
+    rows [r0, r0 + RC) of z (the full-row noise is drawn in such chunks, to bound the registers the hash needs).
     Returns (index, path): path 0 = candidate fast path, 1 = full row without a 32-step search (top-p threshold
     from the bisection band, or no threshold), 2 = full row with a 32-step threshold search."""
     zv = jnp.where(valid, z, NEG_INF)
-    m = jnp.max(zv)
+    tz = None if tail is None else tail.z
+    m = jnp.max(zv) if tail is None else jnp.maximum(jnp.max(zv), tz)
     e = jnp.where(valid, jnp.exp(zv - m), 0.0)
-    S = jnp.sum(e)
-    compact = functools.partial(_compact, zv=zv, idx=idx, row=row, sz_ref=sz_ref, si_ref=si_ref, C=C,
-                                interpret=interpret)
+    te = None if tail is None else jnp.exp(tz - m)
+    S = jnp.sum(e) if tail is None else jnp.sum(e) + te
+    count = lambda pred: _count(pred, zv, valid, tz)
+    mass = lambda pred: _mass(pred, zv, valid, e, tz, te)
 
-    # --- lower bound L on the kept values
+    def compact(pred, n):
+        return _compact(valid & pred(zv), n, zv, idx, row=row, sz_ref=sz_ref, si_ref=si_ref, C=C,
+                        interpret=interpret, tail=tail, tail_in=None if tail is None else pred(tz))
+
+    # --- lower bound L on the kept values (the tile's group maxima alone already give k distinct tokens >= L_k)
     use_k = (top_k > 0) & (top_k <= G)
     gm = jnp.max(zv, axis=0)                                                  # [G] group maxima
     grank = jnp.sum((gm[None, :] > gm[:, None]).astype(i32), axis=1)          # groups strictly above
@@ -175,7 +208,7 @@ def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, s
     def bisect_step(_, lohi):
         lo, hi = lohi
         mid = 0.5 * (lo + hi)
-        ok = jnp.sum(jnp.where(zv >= mid, e, 0.0)) >= target
+        ok = mass(lambda x: x >= mid) >= target
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
     def bisect():
@@ -184,15 +217,14 @@ def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, s
 
     lo, hi = jax.lax.cond(use_p, bisect, lambda: (jnp.minimum(m, NEG_INF), m))
     L = jnp.maximum(L_k, lo)
-    cand = valid & (zv >= L)
-    n_c = _isum(cand)
+    n_c = count(lambda x: x >= L)
 
     def fast():
-        cz, cidx, cm = compact(cand, n_c)
+        cz, cidx, cm = compact(lambda x: x >= L, n_c)
         cp = jnp.where(cm, jnp.exp(cz - m), 0.0) / S
         rank = jnp.sum((cz[None, :] > cz[:, None]).astype(i32), axis=1)
-        mass = _mass_above(cz, cp, 0.0, crossing)
-        keep_p = ((mass < top_p) if crossing else (mass <= top_p)) | (top_p >= 1.0)
+        above = _mass_above(cz, cp, 0.0, crossing)
+        keep_p = ((above < top_p) if crossing else (above <= top_p)) | (top_p >= 1.0)
         keep_k = (top_k <= 0) | (rank < top_k)
         keep = cm & ((keep_p & keep_k) | (cz == m))
         w = jnp.where(keep, cz + gumbel_at(k0, k1, cidx), NEG_INF)
@@ -201,16 +233,21 @@ def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, s
 
     def slow():
         key = _ordered_key(zv)
+        tkey = None if tail is None else _ordered_key(tz)
+        kcount = lambda pred: _count(pred, key, valid, tkey)
+        kmass = lambda pred: _mass(pred, key, valid, e, tkey, te)
         kmin = jnp.min(jnp.where(valid, key, INT_MAX))
         kmax = jnp.max(jnp.where(valid, key, INT_MIN))
-        n_valid = _isum(valid)
+        if tail is not None:
+            kmin, kmax = jnp.minimum(kmin, tkey), jnp.maximum(kmax, tkey)
+
         def k_step(_, lohi):        # largest t with #{key >= t} >= k; pred(lo) true, pred(hi) false
             lo_, hi_ = lohi
             mid = _avg_floor(lo_, hi_)
-            ok = _isum(valid & (key >= mid)) >= top_k
+            ok = kcount(lambda k: k >= mid) >= top_k
             return jnp.where(ok, mid, lo_), jnp.where(ok, hi_, mid)
 
-        use_tk = (top_k > 0) & (top_k < n_valid)
+        use_tk = (top_k > 0) & (top_k < V)
         t_k = jax.lax.cond(use_tk, lambda: jax.lax.fori_loop(0, 32, k_step, (kmin, kmax + 1))[0],
                            lambda: jnp.minimum(kmin, INT_MIN))
 
@@ -218,9 +255,9 @@ def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, s
             lo_, hi_ = lohi
             mid = _avg_floor(lo_, hi_)
             if crossing:
-                ok = jnp.sum(jnp.where(valid & (key > mid), e, 0.0)) < top_p * S
+                ok = kmass(lambda k: k > mid) < top_p * S
             else:
-                ok = jnp.sum(jnp.where(valid & (key >= mid), e, 0.0)) <= top_p * S
+                ok = kmass(lambda k: k >= mid) <= top_p * S
             return jnp.where(ok, lo_, mid), jnp.where(ok, mid, hi_)
 
         def p_search():
@@ -229,16 +266,16 @@ def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, s
 
         # exact top-p threshold from the bracket: every token >= hi is kept (mass(z >= hi) < top_p - margin), none
         # below lo is; the few band tokens in [lo, hi) are decided pairwise on top of the mass at or above hi.
-        band = valid & (zv >= lo) & (zv < hi)
-        n_b = _isum(band)
-        A = jnp.sum(jnp.where(valid & (zv >= hi), e, 0.0)) / S
+        in_band = lambda x: (x >= lo) & (x < hi)
+        n_b = count(in_band)
+        A = mass(lambda x: x >= hi) / S
         band_ok = use_p & (n_b <= C) & (A < top_p - P_MARGIN)
 
         def band_threshold():
-            bz, _, bm = compact(band, n_b)
+            bz, _, bm = compact(in_band, n_b)
             bp = jnp.where(bm, jnp.exp(bz - m), 0.0) / S
-            mass = _mass_above(bz, bp, A, crossing)
-            kept = bm & ((mass < top_p) if crossing else (mass <= top_p))
+            above = _mass_above(bz, bp, A, crossing)
+            kept = bm & ((above < top_p) if crossing else (above <= top_p))
             return _ordered_key(jnp.minimum(jnp.min(jnp.where(kept, bz, jnp.inf)), hi))
 
         use_tp = top_p < 1.0
@@ -257,7 +294,11 @@ def _draw(z, valid, idx, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, s
             return jnp.where(better, cmax, best[0]), jnp.where(better, cidx, best[1])
 
         R = z.shape[0]
-        _, out = jax.lax.fori_loop(0, R // RC, noise_chunk, (jnp.minimum(m, NEG_INF), kmin - kmin))
+        best, out = jax.lax.fori_loop(0, R // RC, noise_chunk, (jnp.minimum(m, NEG_INF), kmin - kmin))
+        if tail is not None:            # last index: it wins only when strictly above
+            kept_t = (tkey >= t) | (tz == m)
+            wt = jnp.where(kept_t, tz + gumbel_at(k0, k1, out * 0 + tail.idx), NEG_INF)
+            out = jnp.where(wt > best, out * 0 + tail.idx, out)
         path = 1 + (use_tk | (use_tp & jnp.logical_not(band_ok))).astype(i32)
         return out, path
 
@@ -268,31 +309,42 @@ def _tile_iota(R: int, G: int):
     return jax.lax.broadcasted_iota(i32, (R, G), 0) * G + jax.lax.broadcasted_iota(i32, (R, G), 1)
 
 
+def _tile_valid(idx, n_tile: int):
+    """Lanes holding a token (the first n_tile); a constant when the tile is full (no padding lanes)."""
+    return jnp.full(idx.shape, True) if n_tile == idx.size else idx < n_tile
+
+
 def _load_row(x_ref, row, idx, valid):
     return plt.load(x_ref.at[row, idx], mask=valid, other=NEG_INF).astype(f32)
 
 
-def _load_chunk(x_ref, row, t, r0, *, V, G, RC, interpret):
+def _load_chunk(x_ref, row, t, r0, *, n_tile, G, RC, interpret):
     """Tile rows [r0, r0 + RC) of the scaled row: (z, valid, idx), each [RC, G] (a re-read, L2-resident)."""
     idx = r0 * G + _tile_iota(RC, G)
-    valid = idx < V
+    valid = idx < n_tile
     return _div_rn(_load_row(x_ref, row, idx, valid), t, interpret), valid, idx
+
+
+def _load_tail(x_ref, row, i: int, t, interpret: bool):
+    """Scaled logit i of the row as an f32 scalar (through a 2-lane vector: the division's inline asm needs one)."""
+    lane = jax.lax.broadcasted_iota(i32, (2,), 0)
+    x = plt.load(x_ref.at[row, i + lane], mask=lane == 0, other=NEG_INF).astype(f32)
+    return jnp.max(_div_rn(x, t, interpret))
 
 
 # ------------------------------------------------------------------------------------------------ kernels
 def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C, NB, RC,
                  crossing, interpret):
     row = pl.program_id(0)
-    R = N // G
-    idx = _tile_iota(R, G)
-    valid = idx < V
+    idx = _tile_iota(N // G, G)
+    valid = _tile_valid(idx, V)
     x = _load_row(x_ref, row, idx, valid)
     t = jnp.maximum(t_ref[row], MIN_TEMPERATURE)
     z = _div_rn(x, t, interpret)
-    out, path = _draw(z, valid, idx, key_ref[row, 0], key_ref[row, 1], p_ref[row], k_ref[row], crossing=crossing,
-                      row=row, sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, interpret=interpret,
-                      load_z=functools.partial(_load_chunk, x_ref, row, t, V=V, G=G, RC=RC, interpret=interpret),
-                      RC=RC)
+    out, path = _draw(z, valid, idx, None, key_ref[row, 0], key_ref[row, 1], p_ref[row], k_ref[row],
+                      crossing=crossing, row=row, sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB,
+                      interpret=interpret, RC=RC,
+                      load_z=functools.partial(_load_chunk, x_ref, row, t, n_tile=V, G=G, RC=RC, interpret=interpret))
     out_ref[row] = out
     path_ref[row] = path
 
@@ -300,11 +352,11 @@ def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref,
 def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_ref, path_ref, sz_ref, si_ref, *, V,
                  N, G, C, NB, RC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p, interpret):
     """Draw 0 with the request's parameters; draw 1 (RAS parameters, its own key) only when draw 0 gave a semantic
-    token that is in the recent window. One loop body, so the draw is compiled once."""
+    token that is in the recent window. One loop body, so the draw is compiled once. The band (V - 1 tokens) is the
+    tile, EOS (index V - 1) the scalar tail."""
     row = pl.program_id(0)
-    R = N // G
-    idx = _tile_iota(R, G)
-    valid = idx < V
+    idx = _tile_iota(N // G, G)
+    valid = _tile_valid(idx, V - 1)
     recent = recent_ref[row, pl.ds(0, W)]
     t_req = jnp.maximum(t_ref[row], MIN_TEMPERATURE)
     p_req, k_req = p_ref[row], k_ref[row]
@@ -322,10 +374,11 @@ def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_
             k0 = jnp.where(first, key_ref[row, 0], key2_ref[row, 0])
             k1 = jnp.where(first, key_ref[row, 1], key2_ref[row, 1])
             x = _load_row(x_ref, row, idx, valid)      # (re)loaded per draw: not held across the loop
-            i, path = _draw(_div_rn(x, t, interpret), valid, idx, k0, k1, tp, tk, crossing=True, row=row,
-                            sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, interpret=interpret,
-                            load_z=functools.partial(_load_chunk, x_ref, row, t, V=V, G=G, RC=RC,
-                                                     interpret=interpret), RC=RC)
+            tail = _Tail(_load_tail(x_ref, row, V - 1, t, interpret), V - 1)
+            i, path = _draw(_div_rn(x, t, interpret), valid, idx, tail, k0, k1, tp, tk, crossing=True, row=row,
+                            sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, interpret=interpret, RC=RC,
+                            load_z=functools.partial(_load_chunk, x_ref, row, t, n_tile=V - 1, G=G, RC=RC,
+                                                     interpret=interpret))
             new_id = jnp.where(i == V - 1, eos_token_id, semantic_start + i)
             return i, new_id, flags + path * (1 + 7 * d) + 4 * d   # bits 0-1 draw 0 path, 2 RAS ran, 3-4 RAS path
 
@@ -338,8 +391,8 @@ def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_
 
 
 # ------------------------------------------------------------------------------------------------ wrappers
-def _geometry(V: int, groups: int):
-    N = _next_pow2(V)
+def _geometry(n_tile: int, groups: int):
+    N = _next_pow2(n_tile)
     G = min(groups, N)
     return N, G
 
@@ -386,7 +439,9 @@ def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, r
     cfg = _params("main", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
                                noise_rows=noise_rows))
     B, V = band_logits.shape
-    N, G = _geometry(V, cfg["groups"])
+    if V < 2:
+        raise ValueError(f"the main token needs a band and EOS (at least 2 candidates), got {V}")
+    N, G = _geometry(V - 1, cfg["groups"])     # the tile holds the band; EOS is the scalar tail
     C = min(_next_pow2(cfg["cand"]), N)
     W = recent_main.shape[1]
     Wp = _next_pow2(W)

@@ -143,6 +143,40 @@ def test_main_kernel_full_band_equals_reference():
     assert (path[:2] & 3 == 1).all()   # flat rows, top-p 0.9, no top-k: exact threshold from the bisection band
 
 
+def test_main_kernel_eos_tail_equals_reference():
+    """EOS (the last candidate) is a scalar beside the band's tile: it must take part in every rule exactly as a tile
+    token, whether it is the maximum, tied with it, inside the top-p band, below every threshold or -inf; with a
+    full tile (band 256) and with padding lanes (band 255), all three paths of the first draw, RAS on."""
+    rng = np.random.default_rng(8)
+    start, eos, B = 1000, 7, 48
+    for band in (256, 255):
+        V = band + 1
+        rows = _edge_rows(rng, V)
+        cases = [(r, *p) for r in rows for p in PARAMS]
+        pick = rng.choice(len(cases), B, replace=False)
+        logits = np.stack([cases[i][0] for i in pick]).copy()
+        body = logits[:, :band]
+        finite_max = np.where(np.isfinite(body), body, -np.inf).max(axis=1)
+        where = np.arange(B) % 6
+        logits[:, band] = np.select(
+            [where == 0, where == 1, where == 2, where == 3, where == 4],
+            [finite_max, finite_max + 1.0, np.median(body, axis=1), -np.inf, np.quantile(body, 0.95, axis=1)],
+            logits[:, band])
+        T, P, K = (jnp.asarray(np.array([cases[i][j] for i in pick]), dt) for j, dt in ((1, f32), (2, f32), (3, i32)))
+        K = jnp.minimum(K, V)
+        recent = rng.integers(start, start + band, (B, 16)).astype(np.int32)
+        recent[::3, 0] = start + np.argmax(body[::3], axis=1)      # some first draws repeat: RAS
+        args = (_keys(rng.integers(0, 2 ** 31, B)), _keys(rng.integers(0, 2 ** 31, B)), jnp.asarray(logits), T, P,
+                K, jnp.asarray(recent))
+        got, path = _main_fn("pallas_triton", start, eos)(*args)
+        want = _main_fn("reference", start, eos)(*args)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        path = np.asarray(path)
+        assert {0, 1, 2} <= set((path & 3).tolist()), path
+        assert (path & 4).any()
+        assert (np.asarray(got) == eos).any()
+
+
 def test_main_token_ras_through_drama3_sampling():
     """drama3_jax.sampling.sample_main (request keys folded with the frame) through the kernel backend equals the
     default (reference) backend; RAS replaces repeats, EOS never counts as repeated."""
