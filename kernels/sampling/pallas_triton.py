@@ -264,19 +264,33 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
             init = (kmin - 1, kmax) if crossing else (kmin, kmax + 1)
             return jax.lax.fori_loop(0, 32, p_step, init)[1]
 
-        # exact top-p threshold from the bracket: every token >= hi is kept (mass(z >= hi) < top_p - margin), none
-        # below lo is; the few band tokens in [lo, hi) are decided pairwise on top of the mass at or above hi.
-        in_band = lambda x: (x >= lo) & (x < hi)
-        n_b = count(in_band)
-        A = mass(lambda x: x >= hi) / S
+        # exact top-p threshold from the bracket, in key space: the band is [key(lo), top), top = key(hi); every
+        # token at or above top is kept (their mass A < top_p - margin), none below lo is, and the few band tokens
+        # are decided pairwise on top of A. When the mass at or above hi lies within the margin of top_p, the lowest
+        # value at or above hi joins the band (top = its key + 1), so that round-off cannot decide it.
+        top = _ordered_key(hi)
+        A0 = kmass(lambda k: k >= top) / S
+        ambiguous = use_p & (A0 >= top_p - P_MARGIN)
+
+        def past_lowest_above():    # (one past the lowest key >= top, the mass at that key)
+            kh = jnp.min(jnp.where(valid & (key >= top), key, INT_MAX))
+            if tail is not None:
+                kh = jnp.minimum(kh, jnp.where(tkey >= top, tkey, INT_MAX))
+            return kh + 1, kmass(lambda k: k == kh) / S
+
+        top, p_h = jax.lax.cond(ambiguous, past_lowest_above, lambda: (top, A0 - A0))
+        A = A0 - p_h
+        klo = _ordered_key(lo)
+        in_band = lambda k: (k >= klo) & (k < top)
+        n_b = kcount(in_band)
         band_ok = use_p & (n_b <= C) & (A < top_p - P_MARGIN)
 
         def band_threshold():
-            bz, _, bm = compact(in_band, n_b)
+            bz, _, bm = compact(lambda x: in_band(_ordered_key(x)), n_b)
             bp = jnp.where(bm, jnp.exp(bz - m), 0.0) / S
             above = _mass_above(bz, bp, A, crossing)
             kept = bm & ((above < top_p) if crossing else (above <= top_p))
-            return _ordered_key(jnp.minimum(jnp.min(jnp.where(kept, bz, jnp.inf)), hi))
+            return jnp.minimum(jnp.min(jnp.where(kept, _ordered_key(bz), INT_MAX)), top)
 
         use_tp = top_p < 1.0
         t_p = jax.lax.cond(use_tp, lambda: jax.lax.cond(band_ok, band_threshold, p_search),

@@ -177,6 +177,41 @@ def test_main_kernel_eos_tail_equals_reference():
         assert (np.asarray(got) == eos).any()
 
 
+def _bisection_mass_at_hi(z, top_p, steps):
+    """numpy replica of the kernel's top-p bracket (fp32): mass(z >= hi) / S after `steps` bisection steps."""
+    m = z.max()
+    e = np.exp(z - m)
+    S = e.sum(dtype=np.float32)
+    lo, hi = np.float32(m - (np.log(len(z) / (1 - top_p)) + 1)), np.float32(m)
+    for _ in range(steps):
+        mid = np.float32(0.5 * (lo + hi))
+        lo, hi = (mid, hi) if e[z >= mid].sum(dtype=np.float32) >= (top_p + pallas_triton.P_MARGIN) * S else (lo, mid)
+    return e[z >= hi].sum(dtype=np.float32) / S, (z >= lo).sum()
+
+
+def test_main_kernel_mass_at_the_bracket_edge_keeps_the_band_path():
+    """Rows whose mass at or above the bracket's upper end lies within the top-p margin (about 5% of flat rows at
+    top-p 0.9) take the band path with the lowest token above the bracket added to the band, not the 32-step
+    search, and still equal the reference."""
+    rng = np.random.default_rng(9)
+    V, top_p, start, eos = 4097, 0.9, 1000, 7
+    steps = pallas_triton.TUNING["main"]["p_bisect"]
+    rows = []
+    while len(rows) < 4:
+        z = (rng.normal(size=V) * 2.5).astype(np.float32)
+        A, n_lo = _bisection_mass_at_hi(z, top_p, steps)
+        if n_lo > pallas_triton.TUNING["main"]["cand"] and A >= top_p - pallas_triton.P_MARGIN:
+            rows.append(z)
+    B = len(rows)
+    ones = jnp.ones((B,), f32)
+    args = (_keys(range(B)), _keys(range(50, 50 + B)), jnp.asarray(np.stack(rows)), ones, ones * top_p,
+            jnp.zeros((B,), i32), jnp.full((B, 16), -1, i32))
+    got, path = _main_fn("pallas_triton", start, eos)(*args)
+    want = _main_fn("reference", start, eos)(*args)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert (np.asarray(path) & 3 == 1).all(), path
+
+
 def test_main_token_ras_through_drama3_sampling():
     """drama3_jax.sampling.sample_main (request keys folded with the frame) through the kernel backend equals the
     default (reference) backend; RAS replaces repeats, EOS never counts as repeated."""
