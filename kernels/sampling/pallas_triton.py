@@ -1,7 +1,9 @@
 """Sort-free filtered sampling as Pallas GPU kernels (Triton lowering), bit-identical to `reference.py`.
 
 One program per row (one distribution); the row stays in registers as an [R, G] tile (R * G = the padded vocabulary,
-a power of two; padding lanes are -inf and never kept). Per draw:
+a power of two; padding lanes are -inf and never kept). The main token's row (band 4096 + EOS) keeps the band as the
+tile and EOS as a scalar "tail" that every reduction adds in, so 4,097 candidates cost 4,096 lanes, not 8,192. Per
+draw:
 
   1. z = logits / max(T, 1e-5) (IEEE division, as XLA does; Triton's own fp32 `/` is approximate), the row max m,
      e = exp(z - m), S = sum(e).
@@ -22,7 +24,8 @@ a power of two; padding lanes are -inf and never kept). Per draw:
   4. Full-row path (more than C candidates: flat rows with large top-p sets, ties, top-k above G): exact thresholds,
      then noise for the whole row. Top-p: from the bracket, when its band [lo, hi) holds <= C tokens and
      mass(z >= hi) < top_p - 1e-5, every token >= hi is kept and the band tokens are decided pairwise on top of that
-     mass (path 1); otherwise a binary search over the order-preserving int32 image of z (32 fixed steps, one masked
+     mass (path 1; when mass(z >= hi) is within 1e-5 of top_p, the lowest value >= hi joins the band first, so
+     round-off cannot decide it); otherwise a binary search over the order-preserving int32 image of z (32 fixed steps, one masked
      mass reduction each: the smallest t where the mass strictly above t (crossing) / at-or-above t (standard) drops
      below top_p). Top-k: the same search for the largest t with #{key >= t} >= k (path 2 when either search ran,
      else path 1).
