@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kernels.sampling import api as _api
-from kernels.sampling.reference import MIN_TEMPERATURE, keep_mask  # noqa: F401  (the rules live in kernels/sampling)
+from kernels.sampling.reference import MIN_TEMPERATURE, draw_keys, keep_mask  # noqa: F401  (rules: kernels/sampling)
 
 HEAD_TOP_K_CAP = 30
 RAS_WINDOW = 16
@@ -54,14 +53,10 @@ class SamplingParams:
         return self
 
 
-def draw_keys(request_keys, frame, draw: int):
-    """request_keys [B, 2] uint32, frame [B] int32 -> per-row keys for one draw of one frame."""
-    return jax.vmap(lambda k, f: jax.random.fold_in(jax.random.fold_in(k, f), draw))(request_keys, frame)
-
-
 def sample_filtered(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, backend: str = "reference",
                     **backend_kwargs):
-    """One draw per row. keys [B, 2] uint32 (raw PRNG keys); returns int32 [B]."""
+    """One draw per row. keys [B, 2] uint32 (raw PRNG keys; or request keys with frame= and draw=, see
+    kernels/sampling/api.py); returns int32 [B]."""
     return _api.sample_filtered(keys, logits, temperature, top_p, top_k, keep_crossing=keep_crossing,
                                 backend=backend, **backend_kwargs)
 
@@ -70,10 +65,10 @@ def sample_main(request_keys, frame, band_logits, temperature, top_p, top_k, rec
                 eos_token_id: int, backend: str = "reference", **backend_kwargs):
     """Main token with RAS. band_logits [B, band + 1] (band then EOS); recent_main [B, W] int32 main-token ids of the
     last W rows (-1 padded). Returns main-token ids int32 [B] (semantic_start + c0, or eos_token_id)."""
-    return _api.sample_main(draw_keys(request_keys, frame, DRAW_MAIN), draw_keys(request_keys, frame, DRAW_RAS),
-                            band_logits, temperature, top_p, top_k, recent_main, semantic_start=semantic_start,
-                            eos_token_id=eos_token_id, ras_temperature=RAS_TEMPERATURE, ras_top_k=RAS_TOP_K,
-                            ras_top_p=RAS_TOP_P, backend=backend, **backend_kwargs)
+    return _api.sample_main(request_keys, None, band_logits, temperature, top_p, top_k, recent_main,
+                            semantic_start=semantic_start, eos_token_id=eos_token_id, ras_temperature=RAS_TEMPERATURE, ras_top_k=RAS_TOP_K,
+                            ras_top_p=RAS_TOP_P, frame=frame, draws=(DRAW_MAIN, DRAW_RAS), backend=backend,
+                            **backend_kwargs)
 
 
 def head_top_k(top_k):
@@ -84,8 +79,8 @@ def head_top_k(top_k):
 def sample_head(request_keys, frame, head: int, logits, temperature, top_p, top_k, *, backend: str = "reference",
                 **backend_kwargs):
     """Code of codebook head `head` (predicting c_{head+1}). logits [B, V]; returns int32 [B]."""
-    return sample_filtered(draw_keys(request_keys, frame, DRAW_HEAD0 + head), logits, temperature, top_p,
-                           head_top_k(top_k), keep_crossing=False, backend=backend, **backend_kwargs)
+    return sample_filtered(request_keys, logits, temperature, top_p, head_top_k(top_k), keep_crossing=False,
+                           frame=frame, draw=DRAW_HEAD0 + head, backend=backend, **backend_kwargs)
 
 
 def push_recent(recent_main, main):

@@ -2,14 +2,16 @@
 
 One decode step samples, per stream: the main token over 4,097 candidates (band 4096 + EOS; T, top-p 0.9 keeping the
 crossing token, RAS over a 16-row window) and 9 codebook heads over 4,096 (top-k 30, standard top-p 0.9). Logits are
-fp32 (as the model hands them over). Per-request keys are folded with the frame index (drama3_jax.sampling.draw_keys,
-one fused XLA op for all 11 draws) in every variant.
+fp32 (as the model hands them over). Per-request keys are folded with the frame index: by one fused XLA op for all 11 draws
+(drama3_jax.sampling.draw_keys), or in the kernels (per_head).
 
 Variants (streams B = 1, 32, 128, 256):
   reference   kernels/sampling/reference.py under jax.jit (sort + searchsorted filters, full-row Gumbel noise)
   batched     main kernel (B programs) + one head kernel launch over the 9B head rows (2 launches)
-  per_head    main kernel + 9 head-kernel launches of B rows each, as frame_step issues them (10 launches)
-  keys_only   the key derivation alone (included in all of the above)
+  per_head    main kernel + 9 head-kernel launches of B rows each, as frame_step issues them (10 launches; through
+              drama3_jax.sampling, so the kernels fold the request keys with the frame and draw themselves)
+  per_head_xla_keys  the same launches with the draw keys derived by XLA first (one fused op), as before
+  keys_only   the key derivation alone (included in batched and per_head_xla_keys)
 plus, at B = 128, tuning variants of the batched kernels (num_warps, candidate cap).
 
 Phases (--phases): "time" (the loop timing above) and "profile": device time per kernel from a profiler trace of
@@ -106,6 +108,19 @@ def build(jax, jnp, variant, **kw):
 
     backend = "reference" if variant == "reference" else "pallas_triton"
 
+    def model_step(inp, frame):   # as frame_step calls them: request keys folded with the frame in the kernels
+        B = inp["main"].shape[0]
+        f = jnp.full((B,), frame, jnp.int32)
+        T, P, K = inp["temperature"], inp["top_p"], inp["top_k"]
+        main = S.sample_main(inp["req"], f, inp["main"], T, P, K, inp["recent"], semantic_start=SEM_START,
+                             eos_token_id=EOS, backend=backend, **kw.get("main", {}))
+        codes = jnp.stack([S.sample_head(inp["req"], f, h, inp["heads"][:, h], T, P, K, backend=backend,
+                                         **kw.get("rows", {})) for h in range(HEADS)], axis=1)
+        return main, codes
+
+    if variant == "per_head":
+        return model_step
+
     def step(inp, frame):
         B = inp["main"].shape[0]
         ks = keys_all(inp["req"], frame)
@@ -116,7 +131,7 @@ def build(jax, jnp, variant, **kw):
                                eos_token_id=EOS, ras_temperature=S.RAS_TEMPERATURE, ras_top_k=S.RAS_TOP_K,
                                ras_top_p=S.RAS_TOP_P, backend=backend, **kw.get("main", {}))
         hk = S.head_top_k(K)
-        if variant == "batched":
+        if variant == "batched":     # else "per_head_xla_keys": per-head launches, keys derived by XLA first
             rep = lambda a: jnp.repeat(a, HEADS, axis=0)
             codes = api.sample_filtered(ks[:, 2:].reshape(B * HEADS, 2), inp["heads"].reshape(B * HEADS, V_HEAD),
                                         rep(T), rep(P), rep(hk), keep_crossing=False, backend=backend,
@@ -220,7 +235,7 @@ def main(argv=None):
     log(f"device {d.device_kind}; {len(jobs)} timing jobs; compiling with {args.threads} threads")
     ex = cf.ThreadPoolExecutor(args.threads)
     chk_futs = {v: ex.submit(compile_step, v, smoke_kw if v != "reference" else {}, B_chk)
-                for v in ("reference", "batched")}
+                for v in ("reference", "batched", "per_head")}
     def paths_fn(inp):   # which kernel path each row takes (fresh keys)
         B = inp["main"].shape[0]
         ks = jnp.stack([jax.random.PRNGKey(i) for i in range(B)]).astype(jnp.uint32)
@@ -241,19 +256,20 @@ def main(argv=None):
     # correctness on the device: kernel vs reference samples, same inputs and keys, B_chk streams, 8 steps
     try:
         cref, s1 = chk_futs["reference"].result(timeout=max(1.0, left()))
-        cker, s2 = chk_futs["batched"].result(timeout=max(1.0, left()))
-        log(f"check steps compiled ({s1:.1f}s, {s2:.1f}s)")
-        bad_m = bad_h = rows = 0
-        for inp in sets_by_B[B_chk] + (make_hard_inputs(jax, jnp, np, B_chk, 77),):
-            for frame in (3, 977):
-                rm, rh = cref(inp, frame)
-                km, kh = cker(inp, frame)
-                bad_m += int(np.sum(np.asarray(rm) != np.asarray(km)))
-                bad_h += int(np.sum(np.asarray(rh) != np.asarray(kh)))
-                rows += B_chk
-        R["checks"].append(dict(B=B_chk, variant="batched", rows_main=rows, rows_heads=rows * HEADS,
-                                mismatch_main=bad_m, mismatch_heads=bad_h))
-        log("check", R["checks"][-1])
+        for variant in ("batched", "per_head"):
+            cker, s2 = chk_futs[variant].result(timeout=max(1.0, left()))
+            log(f"check steps compiled ({s1:.1f}s, {s2:.1f}s)")
+            bad_m = bad_h = rows = 0
+            for inp in sets_by_B[B_chk] + (make_hard_inputs(jax, jnp, np, B_chk, 77),):
+                for frame in (3, 977):
+                    rm, rh = cref(inp, frame)
+                    km, kh = cker(inp, frame)
+                    bad_m += int(np.sum(np.asarray(rm) != np.asarray(km)))
+                    bad_h += int(np.sum(np.asarray(rh) != np.asarray(kh)))
+                    rows += B_chk
+            R["checks"].append(dict(B=B_chk, variant=variant, rows_main=rows, rows_heads=rows * HEADS,
+                                    mismatch_main=bad_m, mismatch_heads=bad_h))
+            log("check", R["checks"][-1])
         pfn = paths_fut.result(timeout=max(1.0, left()))[0]
         for label, inp in (("timing inputs", one(B_chk)), ("hard inputs", make_hard_inputs(jax, jnp, np, B_chk, 77))):
             pm, ph = pfn(inp)
@@ -297,6 +313,7 @@ def main(argv=None):
 PROFILE_VARIANTS = [   # (name, variant, kernel kwargs): per-head launch shape tunings of the head kernel
     ("per_head", "per_head", {}),
     ("batched", "batched", {}),
+    ("per_head_xla_keys", "per_head_xla_keys", {}),
     ("per_head rows_w4", "per_head", {"rows": {"num_warps": 4}}),
     ("per_head rows_w16", "per_head", {"rows": {"num_warps": 16}}),
     ("per_head rows_g64", "per_head", {"rows": {"groups": 64}}),
@@ -315,12 +332,12 @@ def profile_phase(jax, jnp, np, args, ex, smoke_kw, left):
     from experiments.decode_profile import gpu_kernel_events, kernel_names_from_hlo, op_names_from_hlo
 
     streams = [2] if args.cpu_smoke else [int(b) for b in args.profile_streams.split(",")]
-    variants = PROFILE_VARIANTS[:2] if args.cpu_smoke else PROFILE_VARIANTS
+    variants = PROFILE_VARIANTS[:3] if args.cpu_smoke else PROFILE_VARIANTS
     n = 2 if args.cpu_smoke else args.profile_steps
     todo = []
     for B in streams:
         inp = make_inputs(jax, jnp, np, B, seed=5000 + B)
-        for name, variant, kw in (variants if B == 128 else variants[:2]):   # tunings at 128 streams only
+        for name, variant, kw in (variants if B == 128 else variants[:3]):   # tunings at 128 streams only
             kw = {k: {**smoke_kw.get(k, {}), **kw.get(k, {})} for k in ("main", "rows")}
             fn = jax.jit(build(jax, jnp, variant, **kw))
             todo.append((name, B, inp, ex.submit(lambda f=fn, i=inp: f.lower(i, 0).compile())))

@@ -53,18 +53,30 @@ def keep_mask(logits, temperature, top_p, top_k, *, keep_crossing: bool):
     return jax.vmap(one_row)(z, top_p.astype(jnp.float32), top_k), z
 
 
-def sample_filtered(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool):
-    """One draw per row. keys [B, 2] uint32 (raw PRNG keys); returns int32 [B]."""
+def draw_keys(request_keys, frame, draw: int):
+    """Per-row draw keys fold_in(fold_in(request_key, frame), draw). request_keys [B, 2] uint32, frame [B] int32."""
+    return jax.vmap(lambda k, f: jax.random.fold_in(jax.random.fold_in(k, f), draw))(request_keys, frame)
+
+
+def sample_filtered(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, frame=None, draw=None):
+    """One draw per row. keys [B, 2] uint32 (raw PRNG keys; with frame [B] int32 and draw, request keys, and the
+    draw key is draw_keys(keys, frame, draw)); returns int32 [B]."""
+    if frame is not None:
+        keys = draw_keys(keys, frame, draw)
     keep, z = keep_mask(logits, temperature, top_p, top_k, keep_crossing=keep_crossing)
     g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     return jnp.argmax(jnp.where(keep, z + g, -jnp.inf), axis=-1).astype(jnp.int32)
 
 
 def sample_main(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
-                eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float):
-    """Main token with RAS. keys / ras_keys [B, 2] uint32: the first and the RAS draw's keys; band_logits [B, n]
-    (semantic band then EOS); recent_main [B, W] int32 main-token ids of the last W rows (-1 padded).
-    Returns main-token ids int32 [B] (semantic_start + band index, or eos_token_id for the last candidate)."""
+                eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float, frame=None, draws=None):
+    """Main token with RAS. keys / ras_keys [B, 2] uint32: the first and the RAS draw's keys (with frame [B] int32
+    and draws = (first, RAS) draw ids: keys are request keys, ras_keys is None, and the draw keys are
+    draw_keys(keys, frame, draws[i])); band_logits [B, n] (semantic band then EOS); recent_main [B, W] int32
+    main-token ids of the last W rows (-1 padded). Returns main-token ids int32 [B] (semantic_start + band index,
+    or eos_token_id for the last candidate)."""
+    if frame is not None:
+        keys, ras_keys = draw_keys(keys, frame, draws[0]), draw_keys(keys, frame, draws[1])
     B, n = band_logits.shape
     ones = jnp.ones((B,), jnp.float32)
     first = sample_filtered(keys, band_logits, temperature, top_p, top_k, keep_crossing=True)
@@ -106,6 +118,12 @@ def uniform_from_bits(bits):
     f = jax.lax.bitcast_convert_type(jax.lax.shift_right_logical(bits, jnp.uint32(9)) | jnp.uint32(0x3F800000),
                                      jnp.float32) - 1.0
     return jnp.maximum(jnp.float32(_TINY), f + jnp.float32(_TINY))
+
+
+def fold_in(k0, k1, data):
+    """jax.random.fold_in of a raw key (k0, k1) with uint32 data, bit-identical: threefry2x32 of the counter
+    (0, data) under the key (uint32 scalars or arrays that broadcast)."""
+    return threefry2x32(k0, k1, jnp.zeros_like(data), data)
 
 
 def gumbel_at(k0, k1, idx):
