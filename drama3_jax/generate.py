@@ -25,7 +25,7 @@ from drama3_jax.backbone import Backends
 from drama3_jax.model import Drama3Model, ModelCache
 from drama3_jax.packing import Packing, pack_layout
 from drama3_jax.prompt import build_prompt, history_for_chunk, split_long_text
-from drama3_jax.sampling import (RAS_WINDOW, SamplingParams, initial_recent, push_recent, sample_head,
+from drama3_jax.sampling import (RAS_WINDOW, SamplingParams, frame_keys, initial_recent, push_recent, sample_head,
                                  sample_main)
 
 
@@ -56,13 +56,14 @@ def frame_step(model: Drama3Model, s: DecodeState, backends: Backends = Backends
     with jax.named_scope("lm_head"):
         band_logits = model.main_logits(s.h)
     with jax.named_scope("sampling"):
-        main = sample_main(s.keys, s.frame, band_logits, s.temperature, s.top_p, s.top_k, s.recent,
+        fkeys = frame_keys(s.keys, s.frame)
+        main = sample_main(fkeys, band_logits, s.temperature, s.top_p, s.top_k, s.recent,
                            semantic_start=cfg.semantic_start_token_id, eos_token_id=cfg.eos_token_id,
                            backend=backends.sampling)
 
     def choose(i, logits):
         with jax.named_scope("sampling"):
-            return sample_head(s.keys, s.frame, i, logits[:, 0], s.temperature, s.top_p, s.top_k,
+            return sample_head(fkeys, i, logits[:, 0], s.temperature, s.top_p, s.top_k,
                                backend=backends.sampling)[:, None]
 
     with jax.named_scope("tower"):

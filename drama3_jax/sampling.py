@@ -8,7 +8,8 @@ dropped together). With scaled logits z = logits / max(T, 1e-5) and p = softmax(
   the most likely token is always kept; top_p >= 1 disables top-p (no float round-off at the boundary).
 The draw is a Gumbel-max over kept tokens: argmax_i (z_i + G_i), G ~ Gumbel(key), one noise value per vocabulary
 entry. Keys are per request: fold_in(fold_in(request_key, frame), draw), draw 0 = main, 1 = RAS re-draw,
-2 + i = codebook head i; so a request's samples never depend on the batch it runs in.
+2 + i = codebook head i; so a request's samples never depend on the batch it runs in. A decode step derives its
+frame keys once (frame_keys) and the kernels fold the draw id in.
 
 Main token: candidates are the semantic band then EOS ([band + 1] logits). Repetition-aware sampling (RAS): a second
 draw with T = 1.0, top-k 30, top-p 0.95 (crossing kept) replaces the first when the first is semantic and equals a main
@@ -27,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels.sampling import api as _api
-from kernels.sampling.reference import MIN_TEMPERATURE, draw_keys, keep_mask  # noqa: F401  (rules: kernels/sampling)
+from kernels.sampling.reference import (MIN_TEMPERATURE, draw_keys, frame_keys,  # noqa: F401  (rules: kernels/sampling)
+                                       keep_mask)
 
 HEAD_TOP_K_CAP = 30
 RAS_WINDOW = 16
@@ -55,19 +57,20 @@ class SamplingParams:
 
 def sample_filtered(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, backend: str = "reference",
                     **backend_kwargs):
-    """One draw per row. keys [B, 2] uint32 (raw PRNG keys; or request keys with frame= and draw=, see
-    kernels/sampling/api.py); returns int32 [B]."""
+    """One draw per row. keys [B, 2] uint32 (raw PRNG keys; or frame keys with draw=, see kernels/sampling/api.py);
+    returns int32 [B]."""
     return _api.sample_filtered(keys, logits, temperature, top_p, top_k, keep_crossing=keep_crossing,
                                 backend=backend, **backend_kwargs)
 
 
-def sample_main(request_keys, frame, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
-                eos_token_id: int, backend: str = "reference", **backend_kwargs):
-    """Main token with RAS. band_logits [B, band + 1] (band then EOS); recent_main [B, W] int32 main-token ids of the
-    last W rows (-1 padded). Returns main-token ids int32 [B] (semantic_start + c0, or eos_token_id)."""
-    return _api.sample_main(request_keys, None, band_logits, temperature, top_p, top_k, recent_main,
-                            semantic_start=semantic_start, eos_token_id=eos_token_id, ras_temperature=RAS_TEMPERATURE, ras_top_k=RAS_TOP_K,
-                            ras_top_p=RAS_TOP_P, frame=frame, draws=(DRAW_MAIN, DRAW_RAS), backend=backend,
+def sample_main(fkeys, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int, eos_token_id: int,
+                backend: str = "reference", **backend_kwargs):
+    """Main token with RAS. fkeys [B, 2] uint32: the frame's keys (frame_keys(request_keys, frame)); band_logits
+    [B, band + 1] (band then EOS); recent_main [B, W] int32 main-token ids of the last W rows (-1 padded). Returns
+    main-token ids int32 [B] (semantic_start + c0, or eos_token_id)."""
+    return _api.sample_main(fkeys, None, band_logits, temperature, top_p, top_k, recent_main,
+                            semantic_start=semantic_start, eos_token_id=eos_token_id, ras_temperature=RAS_TEMPERATURE,
+                            ras_top_k=RAS_TOP_K, ras_top_p=RAS_TOP_P, draws=(DRAW_MAIN, DRAW_RAS), backend=backend,
                             **backend_kwargs)
 
 
@@ -76,11 +79,11 @@ def head_top_k(top_k):
     return jnp.where(top_k > 0, jnp.minimum(top_k, HEAD_TOP_K_CAP), HEAD_TOP_K_CAP).astype(jnp.int32)
 
 
-def sample_head(request_keys, frame, head: int, logits, temperature, top_p, top_k, *, backend: str = "reference",
-                **backend_kwargs):
-    """Code of codebook head `head` (predicting c_{head+1}). logits [B, V]; returns int32 [B]."""
-    return sample_filtered(request_keys, logits, temperature, top_p, head_top_k(top_k), keep_crossing=False,
-                           frame=frame, draw=DRAW_HEAD0 + head, backend=backend, **backend_kwargs)
+def sample_head(fkeys, head: int, logits, temperature, top_p, top_k, *, backend: str = "reference", **backend_kwargs):
+    """Code of codebook head `head` (predicting c_{head+1}). fkeys [B, 2] uint32: the frame's keys; logits [B, V];
+    returns int32 [B]."""
+    return sample_filtered(fkeys, logits, temperature, top_p, head_top_k(top_k), keep_crossing=False,
+                           draw=DRAW_HEAD0 + head, backend=backend, **backend_kwargs)
 
 
 def push_recent(recent_main, main):

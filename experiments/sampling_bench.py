@@ -2,14 +2,14 @@
 
 One decode step samples, per stream: the main token over 4,097 candidates (band 4096 + EOS; T, top-p 0.9 keeping the
 crossing token, RAS over a 16-row window) and 9 codebook heads over 4,096 (top-k 30, standard top-p 0.9). Logits are
-fp32 (as the model hands them over). Per-request keys are folded with the frame index: by one fused XLA op for all 11 draws
-(drama3_jax.sampling.draw_keys), or in the kernels (per_head).
+fp32 (as the model hands them over). Per-request keys are folded with the frame index and the draw id: by one fused XLA op for all 11 draws
+(drama3_jax.sampling.draw_keys), or, in per_head, the frame by XLA and the draw ids in the kernels.
 
 Variants (streams B = 1, 32, 128, 256):
   reference   kernels/sampling/reference.py under jax.jit (sort + searchsorted filters, full-row Gumbel noise)
   batched     main kernel (B programs) + one head kernel launch over the 9B head rows (2 launches)
   per_head    main kernel + 9 head-kernel launches of B rows each, as frame_step issues them (10 launches; through
-              drama3_jax.sampling, so the kernels fold the request keys with the frame and draw themselves)
+              drama3_jax.sampling: one XLA op for the frame keys, the kernels fold each draw id in)
   per_head_xla_keys  the same launches with the draw keys derived by XLA first (one fused op), as before
   keys_only   the key derivation alone (included in batched and per_head_xla_keys)
 plus, at B = 128, tuning variants of the batched kernels (num_warps, candidate cap).
@@ -108,13 +108,13 @@ def build(jax, jnp, variant, **kw):
 
     backend = "reference" if variant == "reference" else "pallas_triton"
 
-    def model_step(inp, frame):   # as frame_step calls them: request keys folded with the frame in the kernels
+    def model_step(inp, frame):   # as frame_step calls them: the frame's keys, the draw ids folded in the kernels
         B = inp["main"].shape[0]
-        f = jnp.full((B,), frame, jnp.int32)
+        fkeys = S.frame_keys(inp["req"], jnp.full((B,), frame, jnp.int32))
         T, P, K = inp["temperature"], inp["top_p"], inp["top_k"]
-        main = S.sample_main(inp["req"], f, inp["main"], T, P, K, inp["recent"], semantic_start=SEM_START,
-                             eos_token_id=EOS, backend=backend, **kw.get("main", {}))
-        codes = jnp.stack([S.sample_head(inp["req"], f, h, inp["heads"][:, h], T, P, K, backend=backend,
+        main = S.sample_main(fkeys, inp["main"], T, P, K, inp["recent"], semantic_start=SEM_START, eos_token_id=EOS,
+                             backend=backend, **kw.get("main", {}))
+        codes = jnp.stack([S.sample_head(fkeys, h, inp["heads"][:, h], T, P, K, backend=backend,
                                          **kw.get("rows", {})) for h in range(HEADS)], axis=1)
         return main, codes
 

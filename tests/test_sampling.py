@@ -103,7 +103,7 @@ def test_ras_replaces_a_repeated_main_token():
     keys = jnp.stack([jax.random.PRNGKey(1), jax.random.PRNGKey(2)]).astype(jnp.uint32)
     frame = jnp.array([4, 4])
     recent = jnp.array([[-1] * 15 + [start + 3], [-1] * 15 + [start + 9]], jnp.int32)
-    out = S.sample_main(keys, frame, jnp.asarray(logits), jnp.full((2,), 1e-6), jnp.full((2,), 0.9),
+    out = S.sample_main(S.frame_keys(keys, frame), jnp.asarray(logits), jnp.full((2,), 1e-6), jnp.full((2,), 0.9),
                         jnp.zeros(2, jnp.int32), recent, semantic_start=start, eos_token_id=eos)
     second = S.sample_filtered(S.draw_keys(keys, frame, S.DRAW_RAS), jnp.asarray(logits), jnp.ones(2),
                                jnp.full((2,), 0.95), jnp.full((2,), 30, jnp.int32), keep_crossing=True)
@@ -113,7 +113,7 @@ def test_ras_replaces_a_repeated_main_token():
     # EOS is never "repeated": an EOS first draw stands even when EOS is in the window
     logits_eos = np.zeros((1, band + 1), np.float32)
     logits_eos[0, band] = 50.0
-    out = S.sample_main(keys[:1], frame[:1], jnp.asarray(logits_eos), jnp.full((1,), 1e-6), jnp.full((1,), 0.9),
+    out = S.sample_main(S.frame_keys(keys[:1], frame[:1]), jnp.asarray(logits_eos), jnp.full((1,), 1e-6), jnp.full((1,), 0.9),
                         jnp.zeros(1, jnp.int32), jnp.full((1, 16), eos, jnp.int32), semantic_start=start,
                         eos_token_id=eos)
     assert int(out[0]) == eos
@@ -128,7 +128,7 @@ def test_per_request_reproducibility_independent_of_batch_order():
     logits = rng.normal(size=(6, 65)).astype(np.float32)
     keys = jnp.stack([jax.random.PRNGKey(s) for s in (5, 6, 7, 8, 9, 10)]).astype(jnp.uint32)
     frame = jnp.array([0, 3, 3, 7, 1, 2])
-    args = lambda idx: (keys[idx], frame[idx], 2, jnp.asarray(logits)[idx], jnp.ones(len(idx)),
+    args = lambda idx: (S.frame_keys(keys[idx], frame[idx]), 2, jnp.asarray(logits)[idx], jnp.ones(len(idx)),
                         jnp.full((len(idx),), 0.9), jnp.zeros(len(idx), jnp.int32))
     full = np.asarray(S.sample_head(*args(np.arange(6))))
     perm = np.array([4, 2, 0, 5, 1, 3])

@@ -25,17 +25,15 @@ def lower_ttir(kind: str, B: int = 128, **tuning) -> tuple[str, int]:
 
     sd = jax.ShapeDtypeStruct
     f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
-    # as the model calls them: request keys folded with the frame and the draw id in the kernel
+    # as the model calls them: the frame's keys, folded with the draw id in the kernel
     if kind == "rows":
-        fn = lambda k, x, t, p, tk, fr: PT.sample_filtered_triton(k, x, t, p, tk, keep_crossing=False, frame=fr,
-                                                                  draw=2, **tuning)
-        args = (sd((B, 2), u32), sd((B, 4096), f32), sd((B,), f32), sd((B,), f32), sd((B,), i32), sd((B,), i32))
+        fn = functools.partial(PT.sample_filtered_triton, keep_crossing=False, draw=2, **tuning)
+        args = (sd((B, 2), u32), sd((B, 4096), f32), sd((B,), f32), sd((B,), f32), sd((B,), i32))
     else:
-        fn = lambda k, x, t, p, tk, rec, fr: PT.sample_main_triton(
+        fn = lambda k, x, t, p, tk, rec: PT.sample_main_triton(
             k, None, x, t, p, tk, rec, semantic_start=151678, eos_token_id=151645, ras_temperature=1.0, ras_top_k=30,
-            ras_top_p=0.95, frame=fr, draws=(0, 1), **tuning)
-        args = (sd((B, 2), u32), sd((B, 4097), f32), sd((B,), f32), sd((B,), f32), sd((B,), i32), sd((B, 16), i32),
-                sd((B,), i32))
+            ras_top_p=0.95, draws=(0, 1), **tuning)
+        args = (sd((B, 2), u32), sd((B, 4097), f32), sd((B,), f32), sd((B,), f32), sd((B,), i32), sd((B, 16), i32))
     table = "rows" if kind == "rows" else "main"
     return capture_ttir(fn, *args), int(tuning.get("num_warps") or PT.TUNING[table]["num_warps"])
 

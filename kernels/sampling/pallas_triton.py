@@ -349,21 +349,18 @@ def _load_tail(x_ref, row, i: int, t, interpret: bool):
     return jnp.max(_div_rn(x, t, interpret))
 
 
-def _draw_key(key_ref, frame_ref, row, draw):
-    """Row's draw key: key_ref's raw key, or (draw an int) fold_in(fold_in(request key, frame), draw), in-kernel."""
+def _draw_key(key_ref, row, draw):
+    """Row's draw key: key_ref's raw key, or (draw an int) fold_in(frame key, draw), in-kernel. (Folding the frame
+    in here too would need a second hash chain, which raises the head kernel from 115 to 204 registers.)"""
     k0, k1 = key_ref[row, 0], key_ref[row, 1]
-    if draw is None:
-        return k0, k1
-    f = frame_ref[row].astype(u32)
-    k0, k1 = fold_in(k0, k1, f)
-    return fold_in(k0, k1, f * 0 + u32(draw))
+    return (k0, k1) if draw is None else fold_in(k0, k1, k0 * 0 + u32(draw))
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, frame_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C,
-                 NB, RC, crossing, draw, interpret):
+def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C, NB, RC,
+                 crossing, draw, interpret):
     row = pl.program_id(0)
-    k0, k1 = _draw_key(key_ref, frame_ref, row, draw)
+    k0, k1 = _draw_key(key_ref, row, draw)
     idx = _tile_iota(N // G, G)
     valid = _tile_valid(idx, V)
     x = _load_row(x_ref, row, idx, valid)
@@ -377,8 +374,7 @@ def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, frame_ref, out_ref, path_r
     path_ref[row] = path
 
 
-def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, frame_ref, out_ref, path_ref, sz_ref,
-                 si_ref, *, V, N, G, C, NB, RC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p,
+def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C, NB, RC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p,
                  draws, interpret):
     """Draw 0 with the request's parameters; draw 1 (RAS parameters, its own key) only when draw 0 gave a semantic
     token that is in the recent window. One loop body, so the draw is compiled once. The band (V - 1 tokens) is the
@@ -390,8 +386,8 @@ def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, fram
     t_req = jnp.maximum(t_ref[row], MIN_TEMPERATURE)
     p_req, k_req = p_ref[row], k_ref[row]
     ras_t = jnp.float32(max(ras_temperature, MIN_TEMPERATURE))
-    kf0, kf1 = _draw_key(key_ref, frame_ref, row, None if draws is None else draws[0])
-    kr0, kr1 = _draw_key(key_ref if draws else key2_ref, frame_ref, row, None if draws is None else draws[1])
+    kf0, kf1 = _draw_key(key_ref, row, None if draws is None else draws[0])
+    kr0, kr1 = _draw_key(key_ref if draws else key2_ref, row, None if draws is None else draws[1])
 
     def step(d, carry):
         i_prev, id_prev, flags = carry
@@ -431,20 +427,15 @@ def _rc(N: int, G: int, cfg: dict) -> int:
     return max(1, min(_next_pow2(cfg["noise_rows"]), N // G))
 
 
-def _frames(frame, B: int):
-    """The frame index per row for in-kernel key folding (zeros, unread, without folding)."""
-    return jnp.zeros((B,), i32) if frame is None else frame.astype(i32)
-
-
 def _scratch(rows: int, N: int):
     return (jax.ShapeDtypeStruct((rows, N), f32), jax.ShapeDtypeStruct((rows, N), i32))
 
 
-def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, frame=None, draw=None,
+def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, draw=None,
                            interpret: bool = False, return_path: bool = False, num_warps=None, groups=None, cand=None,
                            p_bisect=None, noise_rows=None):
-    """One filtered Gumbel-max draw per row (see reference.sample_filtered). keys [B, 2] uint32 raw keys (request keys
-    with frame [B] int32 and draw: the kernel folds them); logits [B, V] (any float dtype; read once); temperature,
+    """One filtered Gumbel-max draw per row (see reference.sample_filtered). keys [B, 2] uint32 raw keys (frame keys
+    with draw: the kernel folds the draw id in); logits [B, V] (any float dtype; read once); temperature,
     top_p [B] float; top_k [B] int. Returns int32 [B] (and, with
     return_path, the path per row, int32 [B]: 0 candidates, 1 full row without a 32-step search, 2 full row with
     one)."""
@@ -454,22 +445,22 @@ def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_cros
     N, G = _geometry(V, cfg["groups"])
     C = min(_next_pow2(cfg["cand"]), N)
     kern = functools.partial(_rows_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], RC=_rc(N, G, cfg),
-                             crossing=keep_crossing, draw=None if frame is None else int(draw), interpret=interpret)
+                             crossing=keep_crossing, draw=None if draw is None else int(draw), interpret=interpret)
     out, path, _, _ = pl.pallas_call(
         kern, grid=(B,),
         out_shape=(jax.ShapeDtypeStruct((B,), i32), jax.ShapeDtypeStruct((B,), i32)) + _scratch(B, N),
         compiler_params=plt.CompilerParams(num_warps=cfg["num_warps"], num_stages=1),
         interpret=interpret, name="sample_filtered",
-    )(logits, temperature.astype(f32), top_p.astype(f32), top_k.astype(i32), keys.astype(u32), _frames(frame, B))
+    )(logits, temperature.astype(f32), top_p.astype(f32), top_k.astype(i32), keys.astype(u32))
     return (out, path) if return_path else out
 
 
 def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
-                       eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float, frame=None,
-                       draws=None, interpret: bool = False, return_path: bool = False, num_warps=None, groups=None,
+                       eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float, draws=None,
+                       interpret: bool = False, return_path: bool = False, num_warps=None, groups=None,
                        cand=None, p_bisect=None, noise_rows=None):
-    """Main token with RAS in one launch (see reference.sample_main; with frame and draws, keys are request keys and
-    the kernel folds both draw keys, ras_keys None). recent_main [B, W] int32 (padded with -1 to a
+    """Main token with RAS in one launch (see reference.sample_main; with draws, keys are frame keys, ras_keys None,
+    and the kernel folds both draw ids in). recent_main [B, W] int32 (padded with -1 to a
     power of two). With return_path: flags [B] int32: bits 0-1 the first draw's path (0 candidates, 1 full row without
     a 32-step search, 2 full row with one), bit 2 the RAS draw ran, bits 3-4 its path."""
     cfg = _params("main", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
@@ -487,8 +478,8 @@ def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, r
                              semantic_start=int(semantic_start), eos_token_id=int(eos_token_id),
                              ras_temperature=float(ras_temperature), ras_top_k=int(ras_top_k),
                              ras_top_p=float(ras_top_p), interpret=interpret,
-                             draws=None if frame is None else tuple(int(d) for d in draws))
-    if frame is not None:
+                             draws=None if draws is None else tuple(int(d) for d in draws))
+    if draws is not None:
         ras_keys = keys
     out, path, _, _ = pl.pallas_call(
         kern, grid=(B,),
@@ -496,5 +487,5 @@ def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, r
         compiler_params=plt.CompilerParams(num_warps=cfg["num_warps"], num_stages=1),
         interpret=interpret, name="sample_main_ras",
     )(band_logits, temperature.astype(f32), top_p.astype(f32), top_k.astype(i32), keys.astype(u32),
-      ras_keys.astype(u32), recent_main.astype(i32), _frames(frame, B))
+      ras_keys.astype(u32), recent_main.astype(i32))
     return (out, path) if return_path else out

@@ -53,30 +53,40 @@ def keep_mask(logits, temperature, top_p, top_k, *, keep_crossing: bool):
     return jax.vmap(one_row)(z, top_p.astype(jnp.float32), top_k), z
 
 
+def frame_keys(request_keys, frame):
+    """Per-row keys of one frame: fold_in(request_key, frame). request_keys [B, 2] uint32, frame [B] int32."""
+    return jax.vmap(jax.random.fold_in)(request_keys, frame)
+
+
+def fold_draw(keys, draw: int):
+    """Per-row keys of one draw: fold_in(key, draw) for every row of keys [B, 2] uint32."""
+    return jax.vmap(lambda k: jax.random.fold_in(k, draw))(keys)
+
+
 def draw_keys(request_keys, frame, draw: int):
-    """Per-row draw keys fold_in(fold_in(request_key, frame), draw). request_keys [B, 2] uint32, frame [B] int32."""
-    return jax.vmap(lambda k, f: jax.random.fold_in(jax.random.fold_in(k, f), draw))(request_keys, frame)
+    """Per-row draw keys fold_in(fold_in(request_key, frame), draw)."""
+    return fold_draw(frame_keys(request_keys, frame), draw)
 
 
-def sample_filtered(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, frame=None, draw=None):
-    """One draw per row. keys [B, 2] uint32 (raw PRNG keys; with frame [B] int32 and draw, request keys, and the
-    draw key is draw_keys(keys, frame, draw)); returns int32 [B]."""
-    if frame is not None:
-        keys = draw_keys(keys, frame, draw)
+def sample_filtered(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, draw=None):
+    """One draw per row. keys [B, 2] uint32 (raw PRNG keys; with draw, frame keys, and the draw key is
+    fold_draw(keys, draw)); returns int32 [B]."""
+    if draw is not None:
+        keys = fold_draw(keys, draw)
     keep, z = keep_mask(logits, temperature, top_p, top_k, keep_crossing=keep_crossing)
     g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
     return jnp.argmax(jnp.where(keep, z + g, -jnp.inf), axis=-1).astype(jnp.int32)
 
 
 def sample_main(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
-                eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float, frame=None, draws=None):
-    """Main token with RAS. keys / ras_keys [B, 2] uint32: the first and the RAS draw's keys (with frame [B] int32
-    and draws = (first, RAS) draw ids: keys are request keys, ras_keys is None, and the draw keys are
-    draw_keys(keys, frame, draws[i])); band_logits [B, n] (semantic band then EOS); recent_main [B, W] int32
-    main-token ids of the last W rows (-1 padded). Returns main-token ids int32 [B] (semantic_start + band index,
-    or eos_token_id for the last candidate)."""
-    if frame is not None:
-        keys, ras_keys = draw_keys(keys, frame, draws[0]), draw_keys(keys, frame, draws[1])
+                eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float, draws=None):
+    """Main token with RAS. keys / ras_keys [B, 2] uint32: the first and the RAS draw's keys (with draws = (first,
+    RAS) draw ids: keys are frame keys, ras_keys is None, and the draw keys are fold_draw(keys, draws[i]));
+    band_logits [B, n] (semantic band then EOS); recent_main [B, W] int32 main-token ids of the last W rows (-1
+    padded). Returns main-token ids int32 [B] (semantic_start + band index, or eos_token_id for the last
+    candidate)."""
+    if draws is not None:
+        keys, ras_keys = fold_draw(keys, draws[0]), fold_draw(keys, draws[1])
     B, n = band_logits.shape
     ones = jnp.ones((B,), jnp.float32)
     first = sample_filtered(keys, band_logits, temperature, top_p, top_k, keep_crossing=True)

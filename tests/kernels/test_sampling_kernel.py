@@ -213,8 +213,8 @@ def test_main_kernel_mass_at_the_bracket_edge_keeps_the_band_path():
 
 
 def test_main_token_ras_through_drama3_sampling():
-    """drama3_jax.sampling.sample_main (request keys folded with the frame) through the kernel backend equals the
-    default (reference) backend; RAS replaces repeats, EOS never counts as repeated."""
+    """drama3_jax.sampling.sample_main (the frame's keys; the kernel folds the draw ids in) through the kernel backend
+    equals the default (reference) backend; RAS replaces repeats, EOS never counts as repeated."""
     rng = np.random.default_rng(4)
     band, start, eos, B = 16, 100, 7, 32
     logits = rng.normal(size=(B, band + 1)).astype(np.float32) * 2
@@ -230,7 +230,7 @@ def test_main_token_ras_through_drama3_sampling():
     K = jnp.asarray(rng.choice([0, 3, 20], B), i32)
     req = _keys(rng.integers(0, 2 ** 31, B))
     frame = jnp.asarray(rng.integers(0, 1000, B), i32)
-    args = (req, frame, jnp.asarray(logits), T, P, K, jnp.asarray(recent))
+    args = (S.frame_keys(req, frame), jnp.asarray(logits), T, P, K, jnp.asarray(recent))
     kw = dict(semantic_start=start, eos_token_id=eos)
     got, path = jax.jit(functools.partial(S.sample_main, backend="pallas_triton", interpret=True, return_path=True,
                                           **kw))(*args)
@@ -243,39 +243,40 @@ def test_main_token_ras_through_drama3_sampling():
 
 
 def test_sample_head_forwards_to_the_chosen_backend(monkeypatch):
-    """drama3_jax.sampling.sample_head: per-request draw key (frame, head), head top-k cap, standard top-p, and the
-    backend keyword reach the api unchanged."""
+    """drama3_jax.sampling.sample_head: the frame keys with the head's draw id (folded by the backend), head top-k
+    cap, standard top-p, and the backend keyword reach the api unchanged."""
     calls = {}
 
-    def spy(keys, logits, temperature, top_p, top_k, *, keep_crossing, frame, draw, **kw):
-        calls.update(keys=keys, frame=frame, draw=draw, top_k=top_k, keep_crossing=keep_crossing, kw=kw)
+    def spy(keys, logits, temperature, top_p, top_k, *, keep_crossing, draw, **kw):
+        calls.update(keys=keys, draw=draw, top_k=top_k, keep_crossing=keep_crossing, kw=kw)
         return jnp.zeros((logits.shape[0],), i32)
 
     monkeypatch.setitem(api.FILTERED_BACKENDS, "pallas_triton", spy)
-    req, frame = _keys(range(3)), jnp.asarray([0, 5, 9], i32)
-    S.sample_head(req, frame, 4, jnp.zeros((3, 8), f32), jnp.ones(3), jnp.ones(3) * 0.9, jnp.asarray([0, 7, 99]),
+    fkeys = S.frame_keys(_keys(range(3)), jnp.asarray([0, 5, 9], i32))
+    S.sample_head(fkeys, 4, jnp.zeros((3, 8), f32), jnp.ones(3), jnp.ones(3) * 0.9, jnp.asarray([0, 7, 99]),
                   backend="pallas_triton", cand=16)
-    np.testing.assert_array_equal(np.asarray(calls["keys"]), np.asarray(req))     # request keys: the kernel folds
-    np.testing.assert_array_equal(np.asarray(calls["frame"]), np.asarray(frame))
+    np.testing.assert_array_equal(np.asarray(calls["keys"]), np.asarray(fkeys))
     assert calls["draw"] == S.DRAW_HEAD0 + 4
     assert np.asarray(calls["top_k"]).tolist() == [30, 7, 30]
     assert calls["keep_crossing"] is False and calls["kw"] == {"cand": 16}
 
 
-def test_in_kernel_key_folding_equals_folding_outside():
-    """Request keys folded with the frame and the draw id inside the kernels give the same draws as keys folded
-    by jax.random.fold_in first (reference.fold_in is bit-identical to it), for the head and the main kernel."""
+def test_in_kernel_draw_folding_equals_folding_outside():
+    """Frame keys folded with the draw id inside the kernels give the same draws as keys folded by jax.random.fold_in
+    first (reference.fold_in is bit-identical to it), for the head and the main kernel; the frame keys are
+    fold_in(request key, frame), so draw keys stay fold_in(fold_in(request key, frame), draw)."""
     rng = np.random.default_rng(10)
     req = _keys(rng.integers(0, 2 ** 31, B_ROWS))
     frame = jnp.asarray(rng.integers(0, 2 ** 31 - 1, B_ROWS), i32)
+    fkeys = S.frame_keys(req, frame)
     for d in (0, 7, 123456):
         want = S.draw_keys(req, frame, d)
-        got = jax.vmap(lambda k, f: jnp.stack(reference.fold_in(*reference.fold_in(k[0], k[1], f.astype(u32)),
-                                                                 jnp.uint32(d))))(req, frame)
+        np.testing.assert_array_equal(np.asarray(api.fold_draw(fkeys, d)), np.asarray(want))
+        got = jax.vmap(lambda k: jnp.stack(reference.fold_in(k[0], k[1], jnp.uint32(d))))(fkeys)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     logits, T, P, K = _rows_batch(rng)
     folded = jax.jit(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=False, draw=5,
-                                       interpret=True))(req, logits, T, P, K, frame=frame)
+                                       interpret=True))(fkeys, logits, T, P, K)
     outside = _rows_fn(False)(S.draw_keys(req, frame, 5), logits, T, P, K)[0]
     np.testing.assert_array_equal(np.asarray(folded), np.asarray(outside))
     main_logits = jnp.asarray(rng.normal(size=(B_ROWS, 33)) * 2, f32)
@@ -283,7 +284,7 @@ def test_in_kernel_key_folding_equals_folding_outside():
     kw = dict(semantic_start=100, eos_token_id=7, ras_temperature=S.RAS_TEMPERATURE, ras_top_k=S.RAS_TOP_K,
               ras_top_p=S.RAS_TOP_P, interpret=True, return_path=True)
     main_in, path = jax.jit(functools.partial(pallas_triton.sample_main_triton, draws=(0, 1), **kw))(
-        req, None, main_logits, T, P, K, recent, frame=frame)
+        fkeys, None, main_logits, T, P, K, recent)
     main_out, _ = jax.jit(functools.partial(pallas_triton.sample_main_triton, **kw))(
         S.draw_keys(req, frame, 0), S.draw_keys(req, frame, 1), main_logits, T, P, K, recent)
     np.testing.assert_array_equal(np.asarray(main_in), np.asarray(main_out))
@@ -355,9 +356,8 @@ def test_triton_lowering_full_shapes_for_h200():
     rows = lower_for_h200(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=False),
                           sd((B * H, 2), u32), sd((B * H, 4096), f32), sd((B * H,), f32), sd((B * H,), f32),
                           sd((B * H,), i32))
-    folded = lower_for_h200(lambda k, x, t, p, tk, fr: pallas_triton.sample_filtered_triton(
-        k, x, t, p, tk, keep_crossing=False, frame=fr, draw=3), sd((B, 2), u32), sd((B, 4096), f32), sd((B,), f32),
-        sd((B,), f32), sd((B,), i32), sd((B,), i32))
+    folded = lower_for_h200(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=False, draw=3),
+                            sd((B, 2), u32), sd((B, 4096), f32), sd((B,), f32), sd((B,), f32), sd((B,), i32))
     main = lower_for_h200(functools.partial(pallas_triton.sample_main_triton, semantic_start=151678,
                                             eos_token_id=151645, ras_temperature=1.0, ras_top_k=30, ras_top_p=0.95),
                           sd((B, 2), u32), sd((B, 2), u32), sd((B, 4097), f32), sd((B,), f32), sd((B,), f32),
