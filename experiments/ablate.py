@@ -87,8 +87,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "packed_2048": ("largest packed prefill call 4,096 rows (16 prompts) -> 2,048 (8): shorter stalls, more calls",
                     lambda c: dataclasses.replace(c, prefill_packed_rows=tuple(
                         n for n in c.prefill_packed_rows if n <= 2048))),
-    "packed_lanes_384": ("packed prefill lanes rows // 256 -> rows // 384 (3,072 rows: 12 -> 8 prompts)",
-                         lambda c: dataclasses.replace(c, prefill_lane_rows=384)),
+    "packed_lanes_256": ("packed prefill lanes rows // 384 -> rows // 256 (3,072 rows: 8 -> 12 prompts)",
+                         lambda c: dataclasses.replace(c, prefill_lane_rows=256)),
     "prefill_chunk_256": ("512-row prefill chunks -> 256-row", lambda c: dataclasses.replace(c, prefill_chunk=256)),
     "first_chunk_3": ("first audio chunk 4 frames -> 3 (TTFA; compiles a 3-frame codec shape)",
                       lambda c: dataclasses.replace(c, codec_first_chunk=3)),

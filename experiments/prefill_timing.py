@@ -103,7 +103,8 @@ def batch_rows(cfg, lengths: np.ndarray, chunk: int, rng) -> np.ndarray:
 
 
 def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarray, calls: int, max_len: int,
-                 profile_n: int = 0, trace_dir: str = "", packed: bool = False, lane_rows: int = 256):
+                 profile_n: int = 0, trace_dir: str = "", packed: bool = False,
+                 lane_rows: int = EngineConfig.prefill_lane_rows):
     """batch prompts per call ([batch, chunk] calls), or with `packed` up to batch prompts per packed call of the
     engine's default buckets (EngineConfig.packed_buckets), a fixed bucket per run (the first call's)."""
     prefiller = Prefiller(model, max_len, chunk, backends, state_dtype=jnp.bfloat16)
@@ -193,7 +194,7 @@ def main(argv=None):
     ap.add_argument("--variants", nargs="+", default=["default", "no_skip", "packed"],
                     choices=["default", "no_skip", "packed"])
     ap.add_argument("--calls", type=int, default=5)
-    ap.add_argument("--lane-rows", type=int, nargs="+", default=[256],
+    ap.add_argument("--lane-rows", type=int, nargs="+", default=[EngineConfig.prefill_lane_rows],
                     help="packed variant: one row per value of the engine's prefill_lane_rows (lanes = rows // it)")
     ap.add_argument("--prompts", type=int, default=64, help="prompts of the synthetic set whose lengths are used")
     ap.add_argument("--max-len", type=int, default=1026, help="cache rows per prompt (the server's default)")
@@ -220,7 +221,7 @@ def main(argv=None):
                    "batch": b, "backends": dataclasses.asdict(backends)}
             res = guard(errors, f"{name} batch {b}", time_variant, model, cfg, backends, b, args.chunk, lengths,
                         args.calls, args.max_len, args.profile_calls, os.path.join(args.out, f"trace_{name}_{b}"),
-                        name == "packed", lane_rows or 256)
+                        name == "packed", lane_rows or EngineConfig.prefill_lane_rows)
             if res is None:
                 row["error"] = errors[-1][:200]
             else:

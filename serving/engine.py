@@ -84,7 +84,10 @@ class EngineConfig:
     # 2048, 4096) every busy call ran at 4,096 rows, as many as the [8, 512] batch it replaced (147.7 vs 146.5 audio
     # s/s, experiments/results/serve_bench_10/); 2,560 and 3,072 make those calls fit
     prefill_packed_rows: tuple[int, ...] = (512, 1024, 2048, 2560, 3072, 4096)
-    prefill_lane_rows: int = 256
+    # one prefill call of the synthetic set's prompts (mean 348 rows) on the H200: 8 prompts in 3,072 rows 86.7 ms with
+    # 8 lanes (384) against 94.4 ms with 12 (256); 10-11 prompts in 4,096 rows 10.3 vs 10.6 ms per prompt; 512 (8
+    # lanes at 4,096 rows) 11.5 (experiments/results/prefill_2026-12-02/lanes/)
+    prefill_lane_rows: int = 384
     # admission policy: below `prefill_busy_streams` running streams admit at once; above it wait until
     # `prefill_min_batch` requests are queued or the oldest has waited `prefill_max_wait_ms`
     prefill_busy_streams: int = 32

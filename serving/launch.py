@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-packed-rows", type=int, nargs="*", default=[512, 1024, 2048, 2560, 3072, 4096],
                     help="row counts of the packed prefill calls (prompts of up to --prefill-chunk rows end to end); "
                          "no values: no packing, every prompt padded to whole chunks in --prefill-batch-sizes calls")
-    ap.add_argument("--prefill-lane-rows", type=int, default=256,
+    ap.add_argument("--prefill-lane-rows", type=int, default=384,
                     help="a packed call of N rows holds at most N // this many prompts")
     ap.add_argument("--prefill-busy-streams", type=int, default=32)
     ap.add_argument("--prefill-min-batch", type=int, default=6)

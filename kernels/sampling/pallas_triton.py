@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels.sampling.reference import MIN_TEMPERATURE, fold_in, gumbel_at
+from kernels.sampling.reference import MIN_TEMPERATURE, fold_draw, fold_in, gumbel_at
 
 f32, i32, u32 = jnp.float32, jnp.int32, jnp.uint32
 NEG_INF = float("-inf")
@@ -69,9 +69,12 @@ P_BISECT_MAX_TOP_P = 0.9999
 # 123 us for all 10 samplings at 128 streams, batched).
 #   groups G: lanes per tile row (the top-k bound uses the k-th largest of G group maxima; top-k <= G for it);
 #   cand C: candidate cap of the fast path (pairwise [C, C]); p_bisect: bisection steps of the top-p bound;
-#   noise_rows: tile rows per chunk of the full-row noise (bounds the hash's registers).
+#   noise_rows: tile rows per chunk of the full-row noise (bounds the hash's registers);
+#   fold_rows_max (rows only): the draw id is folded in-kernel up to this many rows, by one XLA op first above it (the
+#   fold costs registers: one launch of 128 rows is one wave either way, 256 rows were 1.5x slower folded in-kernel,
+#   experiments/results/sampling_2026-12-02).
 TUNING = {
-    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4},
+    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4, "fold_rows_max": 128},
     "main": {"num_warps": 16, "groups": 128, "cand": 128, "p_bisect": 12, "noise_rows": 8},
 }
 
@@ -433,15 +436,17 @@ def _scratch(rows: int, N: int):
 
 def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, draw=None,
                            interpret: bool = False, return_path: bool = False, num_warps=None, groups=None, cand=None,
-                           p_bisect=None, noise_rows=None):
+                           p_bisect=None, noise_rows=None, fold_rows_max=None):
     """One filtered Gumbel-max draw per row (see reference.sample_filtered). keys [B, 2] uint32 raw keys (frame keys
     with draw: the kernel folds the draw id in); logits [B, V] (any float dtype; read once); temperature,
     top_p [B] float; top_k [B] int. Returns int32 [B] (and, with
     return_path, the path per row, int32 [B]: 0 candidates, 1 full row without a 32-step search, 2 full row with
     one)."""
     cfg = _params("rows", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
-                               noise_rows=noise_rows))
+                               noise_rows=noise_rows, fold_rows_max=fold_rows_max))
     B, V = logits.shape
+    if draw is not None and B > cfg["fold_rows_max"]:
+        keys, draw = fold_draw(keys, draw), None
     N, G = _geometry(V, cfg["groups"])
     C = min(_next_pow2(cfg["cand"]), N)
     kern = functools.partial(_rows_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], RC=_rc(N, G, cfg),

@@ -279,6 +279,9 @@ def test_in_kernel_draw_folding_equals_folding_outside():
                                        interpret=True))(fkeys, logits, T, P, K)
     outside = _rows_fn(False)(S.draw_keys(req, frame, 5), logits, T, P, K)[0]
     np.testing.assert_array_equal(np.asarray(folded), np.asarray(outside))
+    by_xla = jax.jit(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=False, draw=5,
+                                       fold_rows_max=B_ROWS - 1, interpret=True))(fkeys, logits, T, P, K)
+    np.testing.assert_array_equal(np.asarray(by_xla), np.asarray(outside))   # above fold_rows_max: XLA folds
     main_logits = jnp.asarray(rng.normal(size=(B_ROWS, 33)) * 2, f32)
     recent = jnp.asarray(rng.integers(100, 132, (B_ROWS, 16)), i32)
     kw = dict(semantic_start=100, eos_token_id=7, ras_temperature=S.RAS_TEMPERATURE, ras_top_k=S.RAS_TOP_K,
