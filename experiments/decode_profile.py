@@ -201,7 +201,7 @@ def kernel_names_from_hlo(text: str) -> dict:
         name, before, op_name, after = m.groups()
         out.setdefault(re.sub(r"[.\-]", "_", name), op_name)
         k = re.search(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)\\?"', before + after)
-        if k and "custom-call" in name:
+        if k and "custom-call(" in before:
             out.setdefault(k.group(1), op_name)
     return out
 

@@ -63,9 +63,13 @@ def test_kernels_replayed_without_an_hlo_op_are_found_by_kernel_name():
         'metadata={op_name="jit(prefill_step)/backbone/moe_experts/pallas_call"}, '
         'backend_config={"name":"moe_gate_up_swiglu","ir":"abc","num_warps":4}',
         '  %add.3 = f32[64]{0} add(%a, %b)',
+        '  %pallas_call.758 = s32[8]{0} custom-call(%l), custom_call_target="__gpu$xla.gpu.triton", '
+        'metadata={op_name="jit(step)/sampling/sample_main_ras/pallas_call"}, '
+        'backend_config={"name":"sample_main_ras","ir":"abc"}',
     ])
     k = kernel_names_from_hlo(hlo)
     assert k["loop_transpose_fusion_22"] == "jit(prefill_step)/backbone/gdn_core/transpose"
     assert k["moe_gate_up_swiglu"] == "jit(prefill_step)/backbone/moe_experts/pallas_call"
     assert k["custom_call_7"] == k["moe_gate_up_swiglu"] and "add_3" not in k
+    assert k["sample_main_ras"] == "jit(step)/sampling/sample_main_ras/pallas_call"   # jax names it pallas_call.N
     assert op_names_from_hlo(hlo)["loop_transpose_fusion.22"] == k["loop_transpose_fusion_22"]
