@@ -195,12 +195,15 @@ def op_names_from_hlo(text: str) -> dict:
 def kernel_names_from_hlo(text: str) -> dict:
     """GPU kernel name -> op_name, for trace events without an `hlo_op` (kernels replayed from a command buffer
     carry only their kernel name): a fusion's kernel is its instruction name with '.' and '-' as '_'; a Pallas
-    kernel is the `name` in its custom call's backend config (every layer's call has the same scope path)."""
+    kernel is the `name` in its custom call's backend config (every layer's call has the same scope path). Unverified
+    on the device for Pallas kernels inside command buffers (experiments/results/decode_profile_2026-12-02/)."""
     out = {}
     for m in re.finditer(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=(.*?)op_name="([^"]*)"(.*)$', text, re.M):
         name, before, op_name, after = m.groups()
         out.setdefault(re.sub(r"[.\-]", "_", name), op_name)
-        k = re.search(r'\\?"name\\?"\s*:\s*\\?"([\w.\-]+)\\?"', before + after)
+        # the backend config as JSON ("name":"...") or, for typed-FFI custom calls such as Pallas-Triton's, as an
+        # MLIR dictionary attribute (name = "...")
+        k = re.search(r'(?:\\?"name\\?"\s*:|\bname\s*=)\s*\\?"([\w.\-]+)\\?"', before + after)
         if k and "custom-call(" in before:
             out.setdefault(k.group(1), op_name)
     return out

@@ -66,10 +66,14 @@ def test_kernels_replayed_without_an_hlo_op_are_found_by_kernel_name():
         '  %pallas_call.758 = s32[8]{0} custom-call(%l), custom_call_target="__gpu$xla.gpu.triton", '
         'metadata={op_name="jit(step)/sampling/sample_main_ras/pallas_call"}, '
         'backend_config={"name":"sample_main_ras","ir":"abc"}',
+        '  %pallas_call.9 = s32[8]{0} custom-call(%l), custom_call_target="__gpu$xla.gpu.triton", '
+        'api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(step)/tower/sampling/sample_filtered/pallas_call"}, '
+        'backend_config={grid_x = 8 : i32, ir = "abc", name = "sample_filtered", num_warps = 8 : i32}',
     ])
     k = kernel_names_from_hlo(hlo)
     assert k["loop_transpose_fusion_22"] == "jit(prefill_step)/backbone/gdn_core/transpose"
     assert k["moe_gate_up_swiglu"] == "jit(prefill_step)/backbone/moe_experts/pallas_call"
     assert k["custom_call_7"] == k["moe_gate_up_swiglu"] and "add_3" not in k
     assert k["sample_main_ras"] == "jit(step)/sampling/sample_main_ras/pallas_call"   # jax names it pallas_call.N
+    assert k["sample_filtered"] == "jit(step)/tower/sampling/sample_filtered/pallas_call"   # typed-FFI config
     assert op_names_from_hlo(hlo)["loop_transpose_fusion.22"] == k["loop_transpose_fusion_22"]
