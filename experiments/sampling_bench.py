@@ -304,6 +304,7 @@ def main(argv=None):
             R["errors"].append(f"{name} B={B}: {type(e).__name__}: {str(e)[:1500]}")
             log("ERROR", name, B, type(e).__name__, str(e)[:800])
         save(args.out)
+    save(args.out)
     write_md(args.out)
     print_table()
     sys.stdout.flush()
