@@ -2,8 +2,9 @@
 
 One decode step samples, per stream: the main token over 4,097 candidates (band 4096 + EOS; T, top-p 0.9 keeping the
 crossing token, RAS over a 16-row window) and 9 codebook heads over 4,096 (top-k 30, standard top-p 0.9). Logits are
-fp32 (as the model hands them over). Per-request keys are folded with the frame index and the draw id: by one fused XLA op for all 11 draws
-(drama3_jax.sampling.draw_keys), or, in per_head, the frame by XLA and the draw ids in the kernels.
+fp32 (as the model hands them over). Per-request keys are folded with the frame index and the draw id: by one fused
+XLA op for all 11 draws (drama3_jax.sampling.draw_keys), or, in per_head, the frame by XLA and the draw ids in the
+kernels.
 
 Variants (streams B = 1, 32, 128, 256):
   reference   kernels/sampling/reference.py under jax.jit (sort + searchsorted filters, full-row Gumbel noise)
@@ -298,17 +299,23 @@ def main(argv=None):
                        roofline_us=logit_bytes(B) / HBM_BPS * 1e6)
             (R["tuning"] if name not in ("reference", "batched", "per_head", "keys_only") else R["results"]).append(rec)
             log(f"{name:28s} B={B:4d} {med * 1e6:9.1f} us (min {mn * 1e6:.1f}; compile {secs:.1f}s)")
-        except cf.TimeoutError:
-            R["errors"].append(f"budget reached while compiling {name} B={B}")
         except Exception as e:
-            R["errors"].append(f"{name} B={B}: {type(e).__name__}: {str(e)[:1500]}")
-            log("ERROR", name, B, type(e).__name__, str(e)[:800])
+            job_failed(f"{name} B={B}", e)
         save(args.out)
     save(args.out)
     write_md(args.out)
     print_table()
     sys.stdout.flush()
     os._exit(0)   # do not wait for compiles still running past the budget
+
+
+def job_failed(label: str, e: Exception):
+    """Record why a job gave no figure (the budget ran out while it compiled, or an error) and go on."""
+    if isinstance(e, cf.TimeoutError):
+        R["errors"].append(f"budget reached while compiling {label}")
+    else:
+        R["errors"].append(f"{label}: {type(e).__name__}: {str(e)[:1500]}")
+        log("ERROR", label, type(e).__name__, str(e)[:800])
 
 
 PROFILE_VARIANTS = [   # (name, variant, kernel kwargs): per-head launch shape tunings of the head kernel
@@ -369,11 +376,8 @@ def profile_phase(jax, jnp, np, args, ex, smoke_kw, left):
             log(f"profile {name:22s} B={B:4d} total {rec['total_us']:7.1f} us/step  " + "  ".join(
                 f"{g} {v['us_per_step']:.1f} ({v['launches_per_step']:.0f} x {v['median_launch_us']:.1f})"
                 for g, v in rec.items() if isinstance(v, dict)))
-        except cf.TimeoutError:
-            R["errors"].append(f"budget reached while compiling {name} B={B} (profile)")
         except Exception as e:
-            R["errors"].append(f"profile {name} B={B}: {type(e).__name__}: {str(e)[:1500]}")
-            log("ERROR profile", name, B, type(e).__name__, str(e)[:800])
+            job_failed(f"profile {name} B={B}", e)
         save(args.out)
 
 
@@ -410,8 +414,9 @@ def write_md(out):
         lines += ["", "Tuning variants (B = 128, batched):", "", "| variant | µs |", "|---|---|"]
         lines += [f"| {t['name']} | {t['us']:.1f} |" for t in R["tuning"]]
     if R.get("profile"):
-        lines += ["", "Device time per step from a profiler trace (GPU kernel durations; us per step, launches x median "
-                      "us per launch):", "", "| variant | streams | total | main | heads | other |", "|---|---|---|---|---|---|"]
+        lines += ["", "Device time per step from a profiler trace (GPU kernel durations; us per step, launches x "
+                      "median us per launch):", "", "| variant | streams | total | main | heads | other |",
+                  "|---|---|---|---|---|---|"]
         cell = lambda v: "-" if v is None else (f"{v['us_per_step']:.1f} ({v['launches_per_step']:.0f} x "
                                                 f"{v['median_launch_us']:.1f})")
         lines += [f"| {p['name']} | {p['B']} | {p['total_us']:.1f} | {cell(p.get('main'))} | {cell(p.get('heads'))} | "

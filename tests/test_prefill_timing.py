@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from experiments import prefill_timing
+from serving.engine import EngineConfig
 
 
 def test_prefill_timing_table(tmp_path):
@@ -20,8 +21,8 @@ def test_prefill_timing_table(tmp_path):
         assert r["ms"] > 0 and r["roofline_ms"] > 0 and 0 < r["valid_rows"] <= r["padded_rows"]
     assert R["rows"][0]["backends"]["moe_skip_padding"] and not R["rows"][1]["backends"]["moe_skip_padding"]
     packed = R["rows"][2]
-    assert packed["prompts"] == 2 and packed["padded_rows"] == packed["packed_rows"] == 1024  # (1024, 4 lanes)
-    assert packed["valid_rows"] <= 1024 and packed["lanes"] == 4
+    assert packed["prompts"] == 2 and packed["padded_rows"] == packed["packed_rows"] == 1024  # the (1024, 2) bucket
+    assert packed["valid_rows"] <= 1024 and packed["lanes"] == 1024 // EngineConfig.prefill_lane_rows == 2
     md = (tmp_path / "prefill_timing.md").read_text()
     assert "| no_skip | 2 |" in md and "by category" in md
     ms = R["rows"][0]["profile"]["kernel_ms_per_call"]

@@ -113,9 +113,9 @@ def test_ras_replaces_a_repeated_main_token():
     # EOS is never "repeated": an EOS first draw stands even when EOS is in the window
     logits_eos = np.zeros((1, band + 1), np.float32)
     logits_eos[0, band] = 50.0
-    out = S.sample_main(S.frame_keys(keys[:1], frame[:1]), jnp.asarray(logits_eos), jnp.full((1,), 1e-6), jnp.full((1,), 0.9),
-                        jnp.zeros(1, jnp.int32), jnp.full((1, 16), eos, jnp.int32), semantic_start=start,
-                        eos_token_id=eos)
+    out = S.sample_main(S.frame_keys(keys[:1], frame[:1]), jnp.asarray(logits_eos), jnp.full((1,), 1e-6),
+                        jnp.full((1,), 0.9), jnp.zeros(1, jnp.int32), jnp.full((1, 16), eos, jnp.int32),
+                        semantic_start=start, eos_token_id=eos)
     assert int(out[0]) == eos
 
 

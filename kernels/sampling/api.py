@@ -9,12 +9,13 @@ Backends:
   "auto"           "pallas_triton" when JAX's default backend is a GPU, else "reference".
 
 Randomness: callers pass per-row raw keys (uint32 [B, 2]), or one frame's keys with the draw id (`draw=`;
-`draws=(first, RAS)` for the main token), and the draw key is fold_in(key, draw) (the kernels fold it themselves,
-bit-identically, so a decode step needs one XLA op for its frame keys, not one per draw); the noise of row r is
-jax.random.gumbel(key_r, (V,)) in every backend (the kernel computes the elements it needs itself, bit-identically), so a request's draw never
-depends on the batch it runs in. Extra keyword arguments (`**backend_kwargs`) go to the chosen implementation, e.g.
-`interpret=True` (Pallas interpret mode, for CPU tests) or tuning overrides (`cand=`, `num_warps=` ...; see
-pallas_triton.TUNING). Everything stays on device; nothing here syncs with the host.
+`draws=(first, RAS)` for the main token), and the draw key is fold_in(key, draw) (the Pallas kernels fold it
+themselves, bit-identically, the head kernel up to TUNING's fold_rows_max rows; so a decode step needs one XLA op for
+its frame keys, not one per draw); the noise of row r is
+jax.random.gumbel(key_r, (V,)) in every backend (the kernel computes the elements it needs itself, bit-identically),
+so a request's draw never depends on the batch it runs in. Extra keyword arguments (`**backend_kwargs`) go to the
+chosen implementation, e.g. `interpret=True` (Pallas interpret mode, for CPU tests) or tuning overrides (`cand=`,
+`num_warps=` ...; see pallas_triton.TUNING). Everything stays on device; nothing here syncs with the host.
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ draw:
      then noise for the whole row. Top-p: from the bracket, when its band [lo, hi) holds <= C tokens and
      mass(z >= hi) < top_p - 1e-5, every token >= hi is kept and the band tokens are decided pairwise on top of that
      mass (path 1; when mass(z >= hi) is within 1e-5 of top_p, the lowest value >= hi joins the band first, so
-     round-off cannot decide it); otherwise a binary search over the order-preserving int32 image of z (32 fixed steps, one masked
-     mass reduction each: the smallest t where the mass strictly above t (crossing) / at-or-above t (standard) drops
-     below top_p). Top-k: the same search for the largest t with #{key >= t} >= k (path 2 when either search ran,
-     else path 1).
+     round-off cannot decide it); otherwise a binary search over the order-preserving int32 image of z (32 fixed
+     steps, one masked mass reduction each: the smallest t where the mass strictly above t (crossing) / at-or-above
+     t (standard) drops below top_p). Top-k: the same search for the largest t with #{key >= t} >= k (path 2 when
+     either search ran, else path 1).
   The winner is argmax over kept tokens of z + G, lowest index on ties (as jnp.argmax).
 
 `sample_main_triton` fuses the main token's two draws (RAS): the first draw with the request's parameters; when it is
@@ -377,8 +377,9 @@ def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref,
     path_ref[row] = path
 
 
-def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C, NB, RC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p,
-                 draws, interpret):
+def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_ref, path_ref, sz_ref, si_ref, *, V,
+                 N, G, C, NB, RC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p, draws,
+                 interpret):
     """Draw 0 with the request's parameters; draw 1 (RAS parameters, its own key) only when draw 0 gave a semantic
     token that is in the recent window. One loop body, so the draw is compiled once. The band (V - 1 tokens) is the
     tile, EOS (index V - 1) the scalar tail."""

@@ -118,7 +118,7 @@ def test_rows_kernel_equals_reference_both_modes_both_paths():
 
 
 def test_main_kernel_full_band_equals_reference():
-    """Full size: band 4096 + EOS (padded to 8192 lanes), realistic and degenerate rows, RAS on a few."""
+    """Full size: band 4096 (the tile) + EOS (the scalar tail), realistic and degenerate rows, RAS on a few."""
     rng = np.random.default_rng(3)
     V, B, start, eos = 4097, 8, 151678, 151645
     rows = [rng.normal(size=V) * 2.5, rng.normal(size=V) * 0.2, np.full(V, 1.0), rng.normal(size=V) * 4,

@@ -101,9 +101,9 @@ def test_streams_move_down_so_the_step_shrinks(engine):
     assert all(c.shape[1] == 2 for c in codes[:62])
 
 
-@pytest.mark.parametrize("which", ["engine", "sync_engine"])
-def test_long_text_is_generated_chunk_by_chunk(which, request):
-    engine = request.getfixturevalue(which)
+def test_long_text_is_generated_chunk_by_chunk(engine):
+    """The chunks of a long text follow each other in one stream, as offline generation does (the pipelined engine;
+    the synchronous one shares the chunking code and is checked on one chunk below)."""
     text = " ".join(f"Sentence {i} of a long paragraph that keeps going." for i in range(12))
     assert len(split_long_text(text)) >= 2
     (audio,), (served,) = run(engine, [text], [7], max_frames=8)
@@ -111,6 +111,17 @@ def test_long_text_is_generated_chunk_by_chunk(which, request):
     np.testing.assert_array_equal(served, codes)
     sizes = np.array(engine.codec.cfg.codebook_sizes)[:, None]
     np.testing.assert_allclose(audio, engine.codec.decode(np.minimum(codes, sizes - 1)), atol=1e-4)
+
+
+def test_synchronous_engine_serves_what_offline_generation_makes(sync_engine):
+    """The synchronous engine (no step in flight, prompts padded to [batch, chunk]) gives offline generation's codes
+    and their one-shot codec decode."""
+    text = "One chunk for the synchronous engine."
+    (audio,), (served,) = run(sync_engine, [text], [3], max_frames=8)
+    codes = generate(_talker(sync_engine), sync_engine.tok, text, seed=3, max_new_frames=8)
+    np.testing.assert_array_equal(served, codes)
+    sizes = np.array(sync_engine.codec.cfg.codebook_sizes)[:, None]
+    np.testing.assert_allclose(audio, sync_engine.codec.decode(np.minimum(codes, sizes - 1)), atol=1e-4)
 
 
 def _sample_value(metric, suffix: str, **labels) -> float:
