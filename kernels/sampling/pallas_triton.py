@@ -390,8 +390,9 @@ def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_
     t_req = jnp.maximum(t_ref[row], MIN_TEMPERATURE)
     p_req, k_req = p_ref[row], k_ref[row]
     ras_t = jnp.float32(max(ras_temperature, MIN_TEMPERATURE))
-    kf0, kf1 = _draw_key(key_ref, row, None if draws is None else draws[0])
-    kr0, kr1 = _draw_key(key_ref if draws else key2_ref, row, None if draws is None else draws[1])
+    first_draw, ras_draw = draws or (None, None)
+    kf0, kf1 = _draw_key(key_ref, row, first_draw)
+    kr0, kr1 = _draw_key(key_ref if draws else key2_ref, row, ras_draw)   # with draws: one frame key, folded twice
 
     def step(d, carry):
         i_prev, id_prev, flags = carry
