@@ -25,7 +25,7 @@ from drama3_jax.nn import (Embedding, FusedLinear, Linear, RMSNorm, apply_rope_r
 from drama3_jax.packing import Packing
 from kernels.dense.api import linear
 from kernels.gdn import gdn_decode_step, gdn_prefill
-from kernels.gdn.reference import causal_conv1d, gdn_gates
+from kernels.gdn.reference import causal_conv1d, causal_conv1d_packed, gdn_gates
 from kernels.moe import ExpertWeights, moe_experts
 from kernels.moe.quant import ACT_GROUP
 
@@ -191,8 +191,6 @@ class GatedDeltaNet(nnx.Module):
         else:
             mixed, z, b, a = (p(x, backends.dense) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                                               self.in_proj_a))
-        if packing is not None:
-            mixed, b, a = (packing.to_seqs(t) for t in (mixed, b, a))
         B, T = mixed.shape[:2]
         z = z.reshape(z.shape[:2] + (hv, dv))
         conv_w = self.conv1d.weight[...][:, 0, :]
@@ -205,15 +203,21 @@ class GatedDeltaNet(nnx.Module):
                     backend=backends.gdn_decode)
                 o = o[:, None]
             else:
-                y, conv_state = causal_conv1d(mixed, conv_w, conv_state, new_lengths)
+                if packing is None:
+                    y, conv_state = causal_conv1d(mixed, conv_w, conv_state, new_lengths)
+                    rows = {}
+                else:  # the conv and the recurrence address each prompt's packed rows in place
+                    y, conv_state = causal_conv1d_packed(mixed[0], conv_w, conv_state, packing.pack,
+                                                         packing.offsets, new_lengths, packing.seq_len)
+                    y = y[None]
+                    rows = dict(offsets=packing.offsets, seq_len=packing.seq_len)
                 q = y[..., :kd].reshape(B, T, hk, dk)
                 k = y[..., kd:2 * kd].reshape(B, T, hk, dk)
                 v = y[..., 2 * kd:].reshape(B, T, hv, dv)
                 g, beta = gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
-                o, new_state = gdn_prefill(q, k, v, g, beta, ssm_state, new_lengths, backend=backends.gdn_prefill)
+                o, new_state = gdn_prefill(q, k, v, g, beta, ssm_state, new_lengths, backend=backends.gdn_prefill,
+                                           **rows)
                 ssm_state = new_state.astype(ssm_state.dtype)
-                if packing is not None:
-                    o = packing.to_rows(o)
         o = rms_norm(o, self.norm.weight[...], cfg.rms_norm_eps, zero_centered=False, out_dtype=jnp.float32)
         o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(x.shape[:2] + (hv * dv,))
         return self.out_proj(o, backends.dense), conv_state, ssm_state

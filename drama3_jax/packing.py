@@ -2,10 +2,11 @@
 
 A prefill of P right-padded prompts as a [P, T] batch spends every row-wise layer (projections, MLPs, routed
 experts, the tower) on P x T rows, most of them padding when the prompts are shorter than T. Packed, the prompts lie
-end to end on a [1, N] row axis (N a compiled bucket, padding only at its end), and only the sequence mixers
-(attention, the causal conv + gated delta rule) see them as a [P, T] batch: each layer gathers its mixer inputs
-from the packed rows into per-prompt lanes and the mixer output back (two gathers of one layer's activations). The
-caches that come out are the same [P, ...] per-prompt caches as a batched prefill's.
+end to end on a [1, N] row axis (N a compiled bucket, padding only at its end), and only the sequence mixers see
+them per prompt: attention gathers its inputs from the packed rows into per-prompt lanes [P, T] and its output back
+(two gathers of one layer's activations); the causal conv and the gated delta rule address each prompt's rows in
+place by its first row (`offsets`) and length. The caches that come out are the same [P, ...] per-prompt caches as a
+batched prefill's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class Packing:
     @property
     def seq_len(self) -> int:
         return self.unpack.shape[1]
+
+    @property
+    def offsets(self) -> jax.Array:
+        """[P] int32: each prompt's first packed row (N for an empty lane)."""
+        return self.unpack[:, 0]
 
     def to_seqs(self, x: jax.Array) -> jax.Array:
         """[1, N, ...] packed rows -> [P, T, ...] per-prompt lanes, zeros past each prompt's length."""

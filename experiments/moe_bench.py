@@ -75,6 +75,9 @@ W8A8_PREFILL_VARIANTS = {  # around the prefill base (64-row blocks, 128 x 128 t
     "prequant,bm128,w8": dict(prequant=True, block_m=128, gu_warps=8, dn_warps=8),
     "prequant,s4": dict(prequant=True, gu_stages=4, dn_stages=4),
     "prequant,s2": dict(prequant=True, gu_stages=2, dn_stages=2),
+    # packed prefill calls of 2-4k rows: ~100 pairs per expert, one 128-row block or three of 32
+    "prequant,bm128,w8,s4": dict(prequant=True, block_m=128, gu_warps=8, dn_warps=8, gu_stages=4, dn_stages=4),
+    "prequant,bm32": dict(prequant=True, block_m=32),
 }
 
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
+from drama3_jax.packing import pack_layout
+from kernels.gdn import api
 from kernels.gdn import reference as ref
 
 HK, HV, DK, DV = 2, 4, 16, 8
@@ -48,6 +50,54 @@ def test_chunked_equals_recurrent_and_transformers(lengths):
         np.testing.assert_allclose(np.asarray(o_r)[b, :n], o_h[0], rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(np.asarray(s_r)[b], s_h[0], rtol=1e-4, atol=1e-4)
         assert not np.any(np.asarray(o_r)[b, n:])  # padded positions give zero output
+
+
+def packed(lengths, num_rows, seq_len):
+    """Sequences of `lengths` packed end to end in `num_rows` rows (an empty lane last), NaN in the padding rows."""
+    offsets, _, pack = pack_layout(lengths, num_rows, len(lengths) + 1, seq_len)
+    lens = np.array(list(lengths) + [0], np.int32)
+    offsets[len(lengths)] = num_rows  # an empty lane starts past the rows (Packing.offsets)
+    return jnp.asarray(offsets), jnp.asarray(lens), jnp.asarray(pack)
+
+
+def test_packed_conv_equals_the_conv_of_each_sequence():
+    """Lengths 5, 1, 2 (shorter than the K-1 = 3 state rows), 9 and an empty lane, each with its own initial state;
+    garbage (NaN) in the padding rows never reaches a sequence."""
+    r = np.random.default_rng(1)
+    C, K, T, N = 12, 4, 9, 20
+    lengths = [5, 1, 2, 9]
+    offsets, lens, pack = packed(lengths, N, T)
+    x = r.normal(size=(N, C)).astype(np.float32)
+    x[sum(lengths):] = np.nan
+    w = r.normal(size=(C, K)).astype(np.float32)
+    state = r.normal(size=(len(lens), K - 1, C)).astype(np.float32)
+    y, new = ref.causal_conv1d_packed(jnp.asarray(x), jnp.asarray(w), jnp.asarray(state), pack, offsets, lens, T)
+    y, new = np.asarray(y), np.asarray(new)
+    for p, (o, n) in enumerate(zip(np.asarray(offsets), np.asarray(lens))):
+        if n:
+            y_p, s_p = ref.causal_conv1d(jnp.asarray(x[None, o:o + n]), jnp.asarray(w), jnp.asarray(state[p:p + 1]))
+            np.testing.assert_array_equal(y[o:o + n], np.asarray(y_p)[0])
+            np.testing.assert_array_equal(new[p], np.asarray(s_p)[0])
+        else:
+            np.testing.assert_array_equal(new[p], state[p])  # an empty lane keeps its state
+    assert not y[sum(lengths):].any()
+
+
+def test_packed_prefill_equals_each_sequence_alone():
+    lengths = [65, 1, 30]
+    T, N = 65, 110
+    offsets, lens, pack = packed(lengths, N, T)
+    q, k, v, g, beta, s0 = inputs(1, N, seed=3)
+    s0 = np.concatenate([s0, s0 * 0.5, -s0, s0 * 2])  # one initial state per lane, the empty lane's too
+    o, st = api.gdn_prefill(q, k, v, g, beta, s0, lens, offsets=offsets, seq_len=T, backend="reference")
+    assert o.shape == (1, N, HV, DV) and st.shape == (4, HV, DK, DV)
+    for p, (off, n) in enumerate(zip(np.asarray(offsets), lengths)):
+        cut = lambda x: x[:, off:off + n]
+        o_p, s_p = ref.gated_delta_recurrent(*map(cut, (q, k, v, g, beta)), s0[p:p + 1])
+        np.testing.assert_allclose(np.asarray(o)[0, off:off + n], np.asarray(o_p)[0], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(st)[p], np.asarray(s_p)[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(st)[3], s0[3])
+    assert not np.asarray(o)[0, sum(lengths):].any()
 
 
 def test_causal_conv1d_matches_torch_and_carries_state():

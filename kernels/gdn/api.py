@@ -4,7 +4,7 @@ Backends:
   "reference"            plain jnp, the truth (`gdn_prefill`: chunked WY form; decode: conv + recurrence step).
   "reference_recurrent"  prefill only: the token-by-token scan.
   "pallas_triton"        Pallas GPU kernels, Triton lowering (kernels/gdn/pallas_triton.py): chunked prefill
-                         (three launches) and the fused single-step decode on the slot pools (in place; one launch
+                         (three launches; packed sequences read in place) and the fused single-step decode on the slot pools (in place; one launch
                          plus one XLA op for the conv-state shift with the default tile grid).
   "auto"                 "pallas_triton" when JAX's default backend is a GPU, else "reference".
 
@@ -16,6 +16,8 @@ place (no copy of the pool per step).
 
 from __future__ import annotations
 
+import functools
+
 from kernels.dispatch import pick_backend
 from kernels.gdn import pallas_triton, reference
 
@@ -24,18 +26,30 @@ PREFILL_BACKENDS = {
     "reference_recurrent": reference.gated_delta_recurrent,
     "pallas_triton": pallas_triton.gated_delta_chunk_prefill_triton,
 }
+PACKED_PREFILL_BACKENDS = {
+    "reference": functools.partial(reference.gated_delta_packed, reference.gated_delta_chunked),
+    "reference_recurrent": functools.partial(reference.gated_delta_packed, reference.gated_delta_recurrent),
+    "pallas_triton": pallas_triton.gated_delta_packed_prefill_triton,
+}
 DECODE_BACKENDS = {
     "reference": reference.gdn_decode_step,
     "pallas_triton": pallas_triton.gdn_decode_step_triton,
 }
 
 
-def gdn_prefill(q, k, v, g, beta, initial_state=None, lengths=None, *, backend: str = "reference", **backend_kwargs):
-    """Gated delta rule over a batch of (right-padded) sequences.
+def gdn_prefill(q, k, v, g, beta, initial_state=None, lengths=None, *, offsets=None, seq_len: int | None = None,
+                backend: str = "reference", **backend_kwargs):
+    """Gated delta rule over a batch of (right-padded) sequences, or of sequences packed end to end.
 
     q, k [B, T, H_k, D_k]; v [B, T, H_v, D_v]; g (log decay), beta [B, T, H_v]; initial_state [B, H_v, D_k, D_v];
     lengths [B] int32 (None: all T). L2 norm of q/k and the D_k^-1/2 query scale happen inside.
-    Returns (o [B, T, H_v, D_v] fp32, final_state [B, H_v, D_k, D_v] fp32)."""
+    Returns (o [B, T, H_v, D_v] fp32, zero past each length; final_state [B, H_v, D_k, D_v] fp32).
+    Packed (`offsets` [P] given): q ... beta are [1, N, ...] rows, sequence p at rows offsets[p] .. offsets[p] +
+    lengths[p] - 1, every length <= `seq_len` (static); initial_state / final_state [P, ...]; o [1, N, H_v, D_v],
+    zero outside every sequence."""
+    if offsets is not None:
+        fn = pick_backend(PACKED_PREFILL_BACKENDS, backend, "GDN", auto="pallas_triton")
+        return fn(q, k, v, g, beta, initial_state, offsets, lengths, seq_len=seq_len, **backend_kwargs)
     fn = pick_backend(PREFILL_BACKENDS, backend, "GDN", auto="pallas_triton")
     return fn(q, k, v, g, beta, initial_state, lengths, **backend_kwargs)
 

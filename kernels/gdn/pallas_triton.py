@@ -17,7 +17,9 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
       an H200 run without them gave wrong results for some tunings).
 
 * `gated_delta_chunk_prefill_triton` - chunked prefill (chunk 64, WY/UT form) for a right-padded batch with
-  per-sequence lengths, initial state in, final state out, q/k L2 norm fused. Three launches:
+  per-sequence lengths, initial state in, final state out, q/k L2 norm fused; `gated_delta_packed_prefill_triton`
+  the same for sequences packed end to end on one row axis (the kernels address every sequence by its first row, so
+  a right-padded batch is the packed case with offsets b * T). Three launches:
     1. `_inv_kernel`, parallel over (sequence, value head, chunk): A = strictly-lower(beta K K^T * decay) as one
        [64, 64] dot, (I + A)^-1 by forward substitution of the four diagonal 16x16 blocks and block merges (the
        blocking of FLA's `solve_tril`), fp32.
@@ -329,7 +331,7 @@ def _masked_load(ref, mask, shape, dtype=f32):
     return plt.load(ref, mask=jnp.broadcast_to(mask, shape), other=0).astype(dtype)
 
 
-def _inv_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot, barrier):
+def _inv_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot, barrier):
     """Per (sequence, value head, chunk): X = (I + A)^-1 with A = strictly-lower(beta K K^T * exp(gc_i - gc_j)).
 
     A is one [64, 64] dot, parked in the output rows (fp32) and read back as 16x16 blocks; the diagonal blocks are
@@ -346,9 +348,10 @@ def _inv_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot, barrier
         cr = jnp.arange(CHUNK, dtype=jnp.int32)
         valid = (t0 + cr) < L
         rows = pl.ds(t0, CHUNK)
-        k = _l2n(_masked_load(k_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk)))
-        be = _masked_load(beta_ref.at[bi, rows, h], valid, (CHUNK,))
-        gc = jnp.cumsum(_masked_load(g_ref.at[bi, rows, h], valid, (CHUNK,)))
+        src = pl.ds(off_ref[bi] + t0, CHUNK)  # the chunk's input rows
+        k = _l2n(_masked_load(k_ref.at[src, kh, :], valid[:, None], (CHUNK, dk)))
+        be = _masked_load(beta_ref.at[src, h], valid, (CHUNK,))
+        gc = jnp.cumsum(_masked_load(g_ref.at[src, h], valid, (CHUNK,)))
         sl = cr[:, None] > cr[None, :]
         dg = jnp.where(sl, gc[:, None] - gc[None, :], 0.0)
         x_ref[bi, h, rows, :] = jnp.where(sl, be[:, None] * _dot_nt(k, k, dot) * jnp.exp(dg), 0.0)
@@ -372,7 +375,7 @@ def _inv_kernel(len_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot, barrier
                 x_ref[bi, h, pl.ds(t0 + i * SUB, SUB), pl.ds(j * SUB, SUB)] = X[i, j] if j <= i else zero
 
 
-def _wu_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
+def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
                w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *, rep, dk, dv, scale, dot):
     """Per (sequence, value head, chunk), everything the sequential pass needs as ready-made dot operands:
     w = X (beta e^gc k), u = X (beta v), qg = q e^gc (scaled), kg = k e^(gl - gc), Aqk = tril(q k^T e^(gc_i-gc_j)),
@@ -387,11 +390,12 @@ def _wu_kernel(len_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
         cr = jnp.arange(CHUNK, dtype=jnp.int32)
         valid = (t0 + cr) < L
         rows = pl.ds(t0, CHUNK)
-        q = _l2n(_masked_load(q_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk))) * scale
-        k = _l2n(_masked_load(k_ref.at[bi, rows, kh, :], valid[:, None], (CHUNK, dk)))
-        v = _masked_load(v_ref.at[bi, rows, h, :], valid[:, None], (CHUNK, dv))
-        be = _masked_load(beta_ref.at[bi, rows, h], valid, (CHUNK,))
-        gc = jnp.cumsum(_masked_load(g_ref.at[bi, rows, h], valid, (CHUNK,)))
+        src = pl.ds(off_ref[bi] + t0, CHUNK)
+        q = _l2n(_masked_load(q_ref.at[src, kh, :], valid[:, None], (CHUNK, dk))) * scale
+        k = _l2n(_masked_load(k_ref.at[src, kh, :], valid[:, None], (CHUNK, dk)))
+        v = _masked_load(v_ref.at[src, h, :], valid[:, None], (CHUNK, dv))
+        be = _masked_load(beta_ref.at[src, h], valid, (CHUNK,))
+        gc = jnp.cumsum(_masked_load(g_ref.at[src, h], valid, (CHUNK,)))
         gl = jnp.sum(jnp.where(cr == CHUNK - 1, gc, 0.0))
         X = x_ref[bi, h, rows, :]
         w_ref[bi, h, rows, :] = _dot(X, k * (be * jnp.exp(gc))[:, None], dot).astype(w_ref.dtype)
@@ -416,16 +420,17 @@ def _dot_nt(a, b, mode):
                                preferred_element_type=f32)
 
 
-def _state_kernel(len_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *rest, dk, bv, T, nc, dot, has_init,
+def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *rest, dk, bv, nc, dot, has_init,
                   static_loop):
     """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers:
-    v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new."""
+    v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new. Writes o on the sequence's rows only."""
     if has_init:
         s0_ref, o_ref, st_ref = rest
     else:
         o_ref, st_ref = rest
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     L = len_ref[bi]
+    off = off_ref[bi]
     cols = pl.ds(j * bv, bv)
     cr = jnp.arange(CHUNK, dtype=jnp.int32)
     if has_init:
@@ -451,23 +456,67 @@ def _state_kernel(len_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *rest,
         v_new = u - _dot(w, S, dot)
         o = _dot(qg, S, dot) + _dot(aqk, v_new, dot)
         S = dl * S + _dot(kg, v_new, dot, trans_a=True)
-        plt.store(o_ref.at[bi, rows, h, cols], o, mask=jnp.broadcast_to(((t0 + cr) < T)[:, None], (CHUNK, bv)))
+        plt.store(o_ref.at[pl.ds(off + t0, CHUNK), h, cols], o,
+                  mask=jnp.broadcast_to(((t0 + cr) < L)[:, None], (CHUNK, bv)))
         return S
 
-    if static_loop:  # fixed trip count (scf.for: Triton can software-pipeline the loads)
-        S = jax.lax.fori_loop(0, nc, body, S)
-    else:            # only the live chunks, then zero-fill the rest of the output
-        ncv = (L + CHUNK - 1) // CHUNK
-        S = jax.lax.fori_loop(0, ncv, body, S)
-
-        def zero(c, carry):
-            t0 = c * CHUNK
-            plt.store(o_ref.at[bi, pl.ds(t0, CHUNK), h, cols], jnp.zeros((CHUNK, bv), f32),
-                      mask=jnp.broadcast_to(((t0 + cr) < T)[:, None], (CHUNK, bv)))
-            return carry
-
-        jax.lax.fori_loop(ncv, nc, zero, 0)
+    # static: a fixed trip count (scf.for: Triton can software-pipeline the loads); else only the live chunks
+    S = jax.lax.fori_loop(0, nc if static_loop else (L + CHUNK - 1) // CHUNK, body, S)
     st_ref[bi, h, :, cols] = S
+
+
+def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool, dot, bv,
+                   static_loop, num_warps, num_stages, inv_num_warps, wu_num_warps):
+    """The three launches on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
+    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len). Returns (o [N, H_v, D_v] fp32, written on those
+    rows only; final_state [B, H_v, D_k, D_v] fp32)."""
+    pd = _params("prefill", dict(dot=dot))
+    ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
+    pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps))
+    dot = pd["dot"]
+    N, hk, dk = q.shape
+    hv, dv = v.shape[1], v.shape[2]
+    B = offsets.shape[0]
+    rep = hv // hk
+    nc = pl.cdiv(seq_len, CHUNK)
+    tp = nc * CHUNK
+    bv_ = ps["bv"]
+    if bv_ is None:  # fewer state-pass programs than SMs at the large tile: split D_v finer
+        bv_ = ps["bv_small_grid"] if B * hv * (dv // ps["bv_large_grid"]) < ps["num_sms"] else ps["bv_large_grid"]
+    bv_ = min(bv_, dv)
+    assert dv % bv_ == 0 and k.shape == q.shape and g.shape == beta.shape == (N, hv)
+    lengths = jnp.minimum(lengths.astype(jnp.int32), seq_len)
+    offsets = offsets.astype(jnp.int32)
+    opdt = _DOT_DTYPE[dot]  # everything the state pass reads as a dot operand is stored in the operand dtype
+    pinv = plt.CompilerParams(num_warps=pp["inv_num_warps"], num_stages=pp["num_stages"])
+    pwu = plt.CompilerParams(num_warps=pp["wu_num_warps"], num_stages=pp["num_stages"])
+    xinv = pl.pallas_call(
+        functools.partial(_inv_kernel, rep=rep, dk=dk, dot=dot, barrier=not interpret),
+        out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), f32),
+        grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse",
+    )(lengths, offsets, k, g, beta)
+    w, u, qg, kg, aqk, dl = pl.pallas_call(
+        functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
+        out_shape=(jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
+                   jax.ShapeDtypeStruct((B, hv, tp, dv), f32),
+                   jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
+                   jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
+                   jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
+                   jax.ShapeDtypeStruct((B, hv, nc), f32)),
+        grid=(B, hv, nc), compiler_params=pwu, interpret=interpret, name="gdn_prefill_wu",
+    )(lengths, offsets, q, k, v, g, beta, xinv)
+    has_init = initial_state is not None
+    args = (lengths, offsets, w, u, qg, kg, aqk, dl) + ((initial_state,) if has_init else ())
+    return pl.pallas_call(
+        functools.partial(_state_kernel, dk=dk, bv=bv_, nc=nc, dot=dot, has_init=has_init,
+                          static_loop=ps["static_loop"]),
+        out_shape=(jax.ShapeDtypeStruct((N, hv, dv), f32),
+                   jax.ShapeDtypeStruct((B, hv, dk, dv), f32)),
+        grid=(B, hv, dv // bv_),
+        compiler_params=plt.CompilerParams(num_warps=ps["num_warps"], num_stages=ps["num_stages"]),
+        interpret=interpret,
+        name="gdn_prefill_state",
+    )(*args)
 
 
 def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengths=None, *, interpret: bool = False,
@@ -479,51 +528,29 @@ def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengt
     q, k [B, T, H_k, D_k]; v [B, T, H_v, D_v]; g (log decay), beta [B, T, H_v]; initial_state [B, H_v, D_k, D_v]
     (fp32 or bf16); lengths [B] (None: all T). Positions >= lengths[b] give zero output and leave the state alone.
     Three launches: (I + A)^-1 per chunk, the per-chunk dot operands, the sequential state pass."""
-    pd = _params("prefill", dict(dot=dot))
-    ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
-    pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps))
-    dot = pd["dot"]
-    B, T, hk, dk = q.shape
-    hv, dv = v.shape[2], v.shape[3]
-    rep = hv // hk
-    nc = pl.cdiv(T, CHUNK)
-    tp = nc * CHUNK
-    bv_ = ps["bv"]
-    if bv_ is None:  # fewer state-pass programs than SMs at the large tile: split D_v finer
-        bv_ = ps["bv_small_grid"] if B * hv * (dv // ps["bv_large_grid"]) < ps["num_sms"] else ps["bv_large_grid"]
-    bv_ = min(bv_, dv)
-    assert dv % bv_ == 0 and k.shape == q.shape and g.shape == beta.shape == (B, T, hv)
-    if lengths is None:
-        lengths = jnp.full((B,), T, jnp.int32)
-    lengths = jnp.minimum(lengths.astype(jnp.int32), T)
-    opdt = _DOT_DTYPE[dot]  # everything the state pass reads as a dot operand is stored in the operand dtype
-    pinv = plt.CompilerParams(num_warps=pp["inv_num_warps"], num_stages=pp["num_stages"])
-    pwu = plt.CompilerParams(num_warps=pp["wu_num_warps"], num_stages=pp["num_stages"])
-    xinv = pl.pallas_call(
-        functools.partial(_inv_kernel, rep=rep, dk=dk, dot=dot, barrier=not interpret),
-        out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), f32),
-        grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse",
-    )(lengths, k, g, beta)
-    w, u, qg, kg, aqk, dl = pl.pallas_call(
-        functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
-        out_shape=(jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
-                   jax.ShapeDtypeStruct((B, hv, tp, dv), f32),
-                   jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
-                   jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
-                   jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
-                   jax.ShapeDtypeStruct((B, hv, nc), f32)),
-        grid=(B, hv, nc), compiler_params=pwu, interpret=interpret, name="gdn_prefill_wu",
-    )(lengths, q, k, v, g, beta, xinv)
-    has_init = initial_state is not None
-    args = (lengths, w, u, qg, kg, aqk, dl) + ((initial_state,) if has_init else ())
-    o, st = pl.pallas_call(
-        functools.partial(_state_kernel, dk=dk, bv=bv_, T=T, nc=nc, dot=dot, has_init=has_init,
-                          static_loop=ps["static_loop"]),
-        out_shape=(jax.ShapeDtypeStruct((B, T, hv, dv), f32),
-                   jax.ShapeDtypeStruct((B, hv, dk, dv), f32)),
-        grid=(B, hv, dv // bv_),
-        compiler_params=plt.CompilerParams(num_warps=ps["num_warps"], num_stages=ps["num_stages"]),
-        interpret=interpret,
-        name="gdn_prefill_state",
-    )(*args)
-    return o, st
+    B, T = q.shape[:2]
+    lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.minimum(lengths.astype(jnp.int32), T)
+    rows = lambda x: x.reshape((B * T,) + x.shape[2:])
+    o, st = _chunk_prefill(*map(rows, (q, k, v, g, beta)), initial_state, jnp.arange(B, dtype=jnp.int32) * T,
+                           lengths, T, interpret, dot, bv, static_loop, num_warps, num_stages, inv_num_warps,
+                           wu_num_warps)
+    valid = jnp.arange(T)[None, :] < lengths[:, None]
+    return jnp.where(valid[..., None, None], o.reshape((B, T) + o.shape[1:]), 0.0), st
+
+
+def gated_delta_packed_prefill_triton(q, k, v, g, beta, initial_state, offsets, lengths, *, seq_len: int,
+                                      interpret: bool = False, dot: str | None = None, bv: int | None = None,
+                                      static_loop: bool | None = None, num_warps: int | None = None,
+                                      num_stages: int | None = None, inv_num_warps: int | None = None,
+                                      wu_num_warps: int | None = None):
+    """The chunked prefill on sequences packed end to end; same contract as `reference.gated_delta_packed`.
+
+    q, k [1, N, H_k, D_k]; v [1, N, H_v, D_v]; g, beta [1, N, H_v]; sequence p at rows offsets[p] .. offsets[p] +
+    lengths[p] - 1 (lengths <= seq_len, static). The kernels read those rows in place (no gather into lanes) and
+    write o there; rows outside every sequence come back zero."""
+    N = q.shape[1]
+    o, st = _chunk_prefill(q[0], k[0], v[0], g[0], beta[0], initial_state, offsets, lengths, seq_len, interpret,
+                           dot, bv, static_loop, num_warps, num_stages, inv_num_warps, wu_num_warps)
+    r = jnp.arange(N, dtype=jnp.int32)[:, None]
+    valid = ((r >= offsets[None, :]) & (r < (offsets + lengths)[None, :])).any(axis=1)
+    return jnp.where(valid[:, None, None], o, 0.0)[None], st

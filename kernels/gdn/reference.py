@@ -123,6 +123,57 @@ def causal_conv1d(x, weight, conv_state=None, lengths=None):
     return jax.nn.silu(y), new_state
 
 
+def packed_lanes(offsets, lengths, seq_len: int, num_rows: int) -> jax.Array:
+    """[P, seq_len] int32: the packed row of position t of sequence p (sequence p at rows offsets[p] ..
+    offsets[p] + lengths[p] - 1), `num_rows` (out of range) past its length."""
+    t = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
+    return jnp.where(t < lengths[:, None], offsets[:, None] + t, num_rows).astype(jnp.int32)
+
+
+def gated_delta_packed(prefill, q, k, v, g, beta, initial_state, offsets, lengths, *, seq_len: int):
+    """Any [B, T] prefill (`prefill(q, k, v, g, beta, initial_state, lengths)`) on sequences packed end to end on one
+    row axis: q, k [1, N, H_k, D_k], v [1, N, H_v, D_v], g, beta [1, N, H_v]; sequence p holds rows offsets[p] ..
+    offsets[p] + lengths[p] - 1 (lengths <= seq_len). Gathers per-sequence lanes [P, seq_len], runs `prefill`, and
+    returns (o [1, N, H_v, D_v] fp32, zero outside every sequence; final_state [P, H_v, D_k, D_v] fp32)."""
+    N = q.shape[1]
+    idx = packed_lanes(offsets, lengths, seq_len, N)
+    lanes = [jnp.take(x[0], idx, axis=0, mode="fill", fill_value=0) for x in (q, k, v, g, beta)]
+    o, st = prefill(*lanes, initial_state, lengths)
+    rows = jnp.zeros((N,) + o.shape[2:], o.dtype).at[idx].set(o, mode="drop")  # idx N (past a length): dropped
+    return rows[None], st
+
+
+def causal_conv1d_packed(x, weight, conv_state, pack, offsets, lengths, seq_len: int):
+    """`causal_conv1d` over P sequences packed end to end on one row axis (no per-sequence gather of the input).
+
+    x [N, C]; weight [C, K]; conv_state [P, K-1, C] (the K-1 inputs before each sequence); pack [N] int32: p * seq_len
+    + t for row t of sequence p, >= P * seq_len for rows outside every sequence; offsets, lengths [P]: each sequence's
+    first row and length. Returns (y [N, C] fp32, zero outside every sequence; new_state [P, K-1, C]) with the same
+    casts and summation order as `causal_conv1d` on each sequence."""
+    N, Cd = x.shape
+    P, K = conv_state.shape[0], weight.shape[-1]
+    p = jnp.minimum(pack // seq_len, P - 1)
+    t = pack % seq_len
+    w = weight.astype(jnp.float32)
+    state = conv_state.astype(x.dtype)
+    flat_state = state.reshape(P * (K - 1), Cd)
+    y = 0.0
+    for j in range(K):  # tap j reads the input s = K-1-j rows back: a packed row, or the state before row 0
+        s = K - 1 - j
+        src = x
+        if s:
+            above = jnp.pad(x[:-s], ((s, 0), (0, 0)))
+            before = jnp.take(flat_state, p * (K - 1) + jnp.clip(K - 1 - s + t, 0, K - 2), axis=0)
+            src = jnp.where((t >= s)[:, None], above, before)
+        y = y + src.astype(jnp.float32) * w[:, j]
+    y = jnp.where((pack < P * seq_len)[:, None], jax.nn.silu(y), 0.0)
+    i = lengths.astype(jnp.int32)[:, None] + jnp.arange(K - 1)[None, :]  # the last K-1 positions of [state; x_p]
+    from_x = jnp.take(x, jnp.clip(offsets[:, None] + i - (K - 1), 0, N - 1), axis=0)
+    from_state = jnp.take_along_axis(state, jnp.minimum(i, K - 2)[..., None], axis=1)
+    new_state = jnp.where((i >= K - 1)[..., None], from_x, from_state).astype(conv_state.dtype)
+    return y, new_state
+
+
 def gdn_gates(a, b, A_log, dt_bias):
     """beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias), in fp32. a, b [..., H_v]."""
     beta = jax.nn.sigmoid(b.astype(jnp.float32))

@@ -33,7 +33,10 @@ ref_conv = jax.jit(reference.causal_conv1d)
 
 @functools.lru_cache(maxsize=None)
 def _jitted(kind, static_kwargs):
-    fn = api.gdn_prefill if kind == "prefill" else api.gdn_decode_step
+    if kind == "packed":  # (q, k, v, g, beta, s0, lengths, offsets)
+        fn = lambda *a, **kw: api.gdn_prefill(*a[:7], offsets=a[7], **kw)
+    else:
+        fn = api.gdn_prefill if kind == "prefill" else api.gdn_decode_step
     return jax.jit(functools.partial(fn, backend="pallas_triton", interpret=True, **dict(static_kwargs)))
 
 
@@ -105,6 +108,31 @@ def test_prefill_ragged_matches_recurrence(static_loop):
         n = int(lengths[i])
         assert rel(o[i, :n], o_ref[i, :n]) <= 2e-5, i
         assert rel(st[i], st_ref[i]) <= 2e-5, i
+
+
+def test_prefill_packed_reads_each_sequence_in_place():
+    """Sequences of 65, 1, 64 and 63 rows packed end to end, NaN garbage in the padding rows, an empty lane, one
+    initial state per lane: each sequence's rows and final state equal the recurrence alone; rows outside are 0."""
+    hk, hv, dk, dv, T, N = 1, 2, 32, 32, 65, 220
+    lengths = np.array([65, 1, 64, 63, 0], np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
+    offsets[-1] = N
+    q, k, v, g, beta, _ = prefill_inputs(9, 1, N, hk, hv, dk, dv)
+    s0 = prefill_inputs(10, len(lengths), 1, hk, hv, dk, dv)[5]
+    used = int(lengths.sum())
+    garbage = lambda x: x.at[:, used:].set(jnp.nan)
+    o, st = _jitted("packed", (("dot", "float32"), ("seq_len", T)))(*map(garbage, (q, k, v, g, beta)), s0,
+                                                                     jnp.asarray(lengths), jnp.asarray(offsets))
+    assert o.shape == (1, N, hv, dv) and st.shape == (len(lengths), hv, dk, dv)
+    assert not bool(jnp.isnan(o).any()) and not bool((o[0, used:] != 0).any())
+    for i, (off, n) in enumerate(zip(offsets, lengths)):
+        if n == 0:
+            assert rel(st[i], s0[i]) == 0  # an empty lane keeps its state
+            continue
+        cut = lambda x: x[:, off:off + n]
+        o_ref, st_ref = ref_recurrent(*map(cut, (q, k, v, g, beta)), s0[i:i + 1])
+        assert rel(o[:, off:off + n], o_ref) <= 2e-5, i
+        assert rel(st[i], st_ref[0]) <= 2e-5, i
 
 
 def test_prefill_full_head_dim_no_state_no_lengths():
@@ -297,3 +325,9 @@ def test_triton_lowering_full_shapes_for_h200():
             q, k, v, g, be, s0, ln, dot=dot), sd((B, T, hk, d), bf), sd((B, T, hk, d), bf), sd((B, T, hv, d), bf),
             sd((B, T, hv), f32), sd((B, T, hv), f32), sd((B, hv, d, d), f32), sd((B,), jnp.int32))
         assert txt.count("__gpu$xla.gpu.triton") == 3  # inverse, w/u operands, state pass
+    N = 2 * T  # packed: B sequences of at most T rows in 2T rows, read in place
+    txt = lower_for_h200(lambda q, k, v, g, be, s0, ln, off: pallas_triton.gated_delta_packed_prefill_triton(
+        q, k, v, g, be, s0, off, ln, seq_len=T), sd((1, N, hk, d), f32), sd((1, N, hk, d), f32),
+        sd((1, N, hv, d), f32), sd((1, N, hv), f32), sd((1, N, hv), f32), sd((B, hv, d, d), f32),
+        sd((B,), jnp.int32), sd((B,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 3 and "gather" not in txt
