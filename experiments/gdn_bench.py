@@ -59,7 +59,11 @@ DECODE_VARIANTS = {"triton": {}, "heads": {"grid": "heads"},
                    "vmajor_bv64_w8": {"grid": "tiles", "v_major": True, "bv": 64, "num_warps": 8},
                    "vmajor_bv128_w8": {"grid": "tiles", "v_major": True, "bv": 128, "num_warps": 8}}
 PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_bv32": {"bv": 32},
-                    "triton_inv8": {"inv_num_warps": 8}}
+                    "triton_inv8": {"inv_num_warps": 8},
+                    # the inverse's forward substitution is a chain of reductions over 16 x 16 blocks: within one
+                    # warp they need no shared-memory round trip
+                    "triton_inv1": {"inv_num_warps": 1}, "triton_inv2": {"inv_num_warps": 2},
+                    "triton_wu4": {"wu_num_warps": 4}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}
@@ -192,8 +196,8 @@ def phase_check(jax, jnp, np, args):
     with jax.default_matmul_precision("highest"):
         o_r, s_r = jax.jit(reference.gated_delta_recurrent)(q, k, v, g, beta, s0, lengths)
     o_r, s_r = np.asarray(o_r), np.asarray(s_r)
-    pvars = {n: PREFILL_VARIANTS[n] for n in ("triton", "triton_dyn")} | PREFILL_CHECK_ONLY
-    if args.full_check:
+    pvars = {n: PREFILL_VARIANTS[n] for n in ("triton", "triton_dyn") if n in PREFILL_VARIANTS} | PREFILL_CHECK_ONLY
+    if args.full_check or args.prefill_variants:
         pvars = PREFILL_VARIANTS | PREFILL_CHECK_ONLY
     for name, vk in pvars.items():
         def run():
@@ -265,9 +269,12 @@ def phase_prefill(jax, jnp, np, args):
     """Default tuning (+ the jnp reference at the target shapes) over all shapes first, then the variants."""
     from kernels.gdn import pallas_triton, reference
     shapes = [(1, 1024), (1, 4096), (8, 1024)] if args.quick else PREFILL
+    variant_shapes = ((1, 4096), (8, 1024))
+    if args.prefill_shapes:
+        shapes = variant_shapes = [tuple(int(n) for n in s_.split("x")) for s_ in args.prefill_shapes.split(",")]
     plan = [(B, T, "triton", {}) for B, T in shapes]
     plan += [(B, T, "reference", None) for B, T in shapes if (B, T) in ((1, 1024), (1, 4096), (8, 1024))]
-    plan += [(B, T, n_, v_) for B, T in ((1, 4096), (8, 1024)) for n_, v_ in PREFILL_VARIANTS.items()
+    plan += [(B, T, n_, v_) for B, T in variant_shapes for n_, v_ in PREFILL_VARIANTS.items()
              if n_ != "triton" and (B, T) in shapes]
     inputs = {}
     for B, T, name, vk in plan:
@@ -585,6 +592,10 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--decode-variants", default=None,
                     help="comma-separated names of DECODE_VARIANTS to check and time (default: all)")
+    ap.add_argument("--prefill-variants", default=None,
+                    help="comma-separated names of PREFILL_VARIANTS to check and time (default: all)")
+    ap.add_argument("--prefill-shapes", default=None,
+                    help="comma-separated BxT prefill shapes (e.g. 8x384,1x4096); every variant runs at each")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which long phases stop early")
     ap.add_argument("--report-only", default=None)
     ap.add_argument("--fla-budget", type=float, default=1e9, help="FLA shapes are skipped after this time (s)")
@@ -608,6 +619,13 @@ def main():
             raise SystemExit(f"unknown decode variants {sorted(unknown)}; known: {list(DECODE_VARIANTS)}")
         for name in [n for n in DECODE_VARIANTS if n not in keep and n != "triton"]:  # the default stays first
             del DECODE_VARIANTS[name]
+    if args.prefill_variants:
+        keep = args.prefill_variants.split(",")
+        unknown = set(keep) - set(PREFILL_VARIANTS)
+        if unknown:
+            raise SystemExit(f"unknown prefill variants {sorted(unknown)}; known: {list(PREFILL_VARIANTS)}")
+        for name in [n for n in PREFILL_VARIANTS if n not in keep and n != "triton"]:
+            del PREFILL_VARIANTS[name]
     if args.report_only:
         R.update(json.load(open(args.report_only)))
         print(report(os.path.dirname(args.report_only)))
