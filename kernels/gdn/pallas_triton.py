@@ -70,7 +70,10 @@ TUNING = {
     # bf16 state pools: tiles are half the registers, so three can be in flight (H200, 2026-12-01, 128 streams:
     # 0.162 ms vs 0.169 with one; fp32 stays at one: 0.213 vs 0.217 / 0.228 with two / three)
     "decode_heads_bf16_state": {"prefetch": 3},
-    "prefill_prep": {"inv_num_warps": 4, "wu_num_warps": 8, "num_stages": 1},
+    # inverse in one warp: its forward substitution's reductions over 16 x 16 blocks stay within the warp (H200,
+    # 2026-12-02, results/prefill_gdn_2026-12-02/: one layer at B=8, T=384 0.320 ms against 0.377 with 4 warps and
+    # 0.328 with 2; T=1024: 0.755 against 0.914 at B=8, 0.141 against 0.155 at B=1)
+    "prefill_prep": {"inv_num_warps": 1, "wu_num_warps": 8, "num_stages": 1},
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
                       "num_stages": 2, "static_loop": True},
     "prefill": {"dot": "bfloat16"},
