@@ -35,19 +35,6 @@ def next_context(ext: jax.Array, size: int, n_valid: jax.Array | None) -> jax.Ar
     return jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, size, axis=0))(ext, n_valid)
 
 
-def tail_context(ctx: jax.Array | None, x: jax.Array, size: int, n_valid: jax.Array | None) -> jax.Array:
-    """`next_context` of [ctx, x] without building it: a gather of the `size` samples per stream."""
-    B, T = x.shape[:2]
-    if n_valid is None and T >= size:
-        return x[:, T - size:]
-    n = jnp.full((B,), T, jnp.int32) if n_valid is None else n_valid.astype(jnp.int32)
-    pos = n[:, None] + jnp.arange(size)[None, :] - size  # position in x; negative: in ctx
-    from_x = jnp.take_along_axis(x, jnp.clip(pos, 0, T - 1)[..., None], axis=1)
-    from_ctx = (jnp.zeros_like(from_x) if ctx is None else
-                jnp.take_along_axis(ctx.astype(x.dtype), jnp.clip(pos + size, 0, size - 1)[..., None], axis=1))
-    return jnp.where((pos >= 0)[..., None], from_x, from_ctx)
-
-
 class BiasedLinear(Linear):
     """y = x @ weight.T + bias; weight [out, in] (torch Linear / 1x1 Conv1d orientation), bias [out]."""
 
@@ -84,27 +71,14 @@ class CausalConv1d(nnx.Module):
     def init_state(self, batch: int, dtype) -> jax.Array:
         return jnp.zeros((batch, self.context, self.weight.shape[1]), dtype)
 
-    def _conv(self, x, left: int):
-        w = self.weight[...]
-        return jax.lax.conv_general_dilated(x.astype(w.dtype), w, (self.stride,), [(left, 0)],
-                                            rhs_dilation=(self.dilation,),
-                                            dimension_numbers=("NWC", "WIO", "NWC")) + self.bias[...]
-
     def __call__(self, x, ctx=None, n_valid=None):
-        T = x.shape[1]
-        if T % self.stride:
-            raise ValueError(f"CausalConv1d: chunk length {T} is not a multiple of stride {self.stride}")
-        c = self.context
-        if self.stride > 1 or not c:
-            ext = _extend(x, ctx, c)
-            return self._conv(ext, 0), next_context(ext, c, n_valid)
-        # stride 1: the conv zero-pads x itself, and only its first min(T, c) outputs, which see the context, are
-        # recomputed from [ctx, x[:c]] and written in place (no [ctx, x] copy of the whole chunk)
-        y = self._conv(x, c)
-        if ctx is not None:
-            m = min(T, c)
-            y = y.at[:, :m].set(self._conv(jnp.concatenate([ctx.astype(x.dtype), x[:, :m]], axis=1), 0))
-        return y, tail_context(ctx, x, c, n_valid)
+        if x.shape[1] % self.stride:
+            raise ValueError(f"CausalConv1d: chunk length {x.shape[1]} is not a multiple of stride {self.stride}")
+        ext = _extend(x, ctx, self.context)
+        w = self.weight[...]
+        y = jax.lax.conv_general_dilated(ext.astype(w.dtype), w, (self.stride,), "VALID",
+                                         rhs_dilation=(self.dilation,), dimension_numbers=("NWC", "WIO", "NWC"))
+        return y + self.bias[...], next_context(ext, self.context, n_valid)
 
 
 class CausalDepthwiseConv1d(nnx.Module):

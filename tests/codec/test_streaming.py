@@ -90,19 +90,3 @@ def test_step_slots_touches_only_its_streams(tiny_codec, tiny_codec_cfg):
         np.testing.assert_allclose(x[[3, 0]], y[[3, 0]], rtol=0, atol=TOL)
         np.testing.assert_array_equal(x[[1, 2, 4]], b[[1, 2, 4]])  # untouched, bit for bit
     assert list(np.asarray(after.frames)) == [9, 7, 7, 13, 7]
-
-
-def test_tail_context_equals_the_tail_of_the_joined_input():
-    """The conv's next context, gathered from [ctx, x] without joining them, for chunks longer and shorter than the
-    context and per-stream real lengths below and above it."""
-    import jax.numpy as jnp
-
-    from drama3_jax.codec.layers import _extend, next_context, tail_context
-    r = np.random.default_rng(5)
-    for T, size in ((12, 5), (3, 5), (5, 5)):
-        x = jnp.asarray(r.normal(size=(3, T, 4)), jnp.float32)
-        ctx = jnp.asarray(r.normal(size=(3, size, 4)), jnp.float32)
-        for n_valid in (None, jnp.array([0, min(2, T), T], jnp.int32)):
-            for c in (ctx, None):
-                want = next_context(_extend(x, c, size), size, n_valid)
-                np.testing.assert_array_equal(np.asarray(tail_context(c, x, size, n_valid)), np.asarray(want))
