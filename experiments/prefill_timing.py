@@ -13,6 +13,7 @@ one warm-up call, a new batch of prompts each call. Variants:
   packed    the engine's packed prefill (Prefiller.packed): up to B prompts of at most --chunk rows end to end in one
             call of the smallest of the engine's packed row counts that holds the first call's prompts (fewer
             prompts in a later call when they would not fit it)
+  packed_flash  packed, with the flash prefill attention kernel (attention backend "pallas_triton_flash")
 The roofline of a call is the larger of (every weight read once) / 4.2 TB/s and (2 x active parameters x valid
 rows) / 780 TFLOP/s; attention and the GDN recurrence are not counted. With --profile-calls N > 0, N more calls
 run under the profiler: GPU kernel time per call by category (the decode profile's name scopes:
@@ -53,7 +54,8 @@ HBM_BYTES_PER_S, FLOPS_PER_S = 4.2e12, 780e12
 
 def variants(cfg) -> dict[str, Backends]:
     base = dataclasses.replace(Backends.auto(), moe_activations=default_moe_activations(cfg))
-    return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False), "packed": base}
+    return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False), "packed": base,
+            "packed_flash": dataclasses.replace(base, attention="pallas_triton_flash")}
 
 
 def packed_call(lengths: np.ndarray, start: int, batch: int, max_rows: int, max_lanes: int) -> np.ndarray:
@@ -192,7 +194,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--variants", nargs="+", default=["default", "no_skip", "packed"],
-                    choices=["default", "no_skip", "packed"])
+                    choices=["default", "no_skip", "packed", "packed_flash"])
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--lane-rows", type=int, nargs="+", default=[EngineConfig.prefill_lane_rows],
                     help="packed variant: one row per value of the engine's prefill_lane_rows (lanes = rows // it)")
@@ -213,15 +215,16 @@ def main(argv=None):
          "length_mean": float(lengths.mean()), "weight_gb": weight_bytes / 1e9, "active_params_b": active / 1e9,
          "rows": []}
     errors: list = []
-    runs = [(name, lr) for name in args.variants for lr in (args.lane_rows if name == "packed" else [0])]
+    packed = lambda name: name.startswith("packed")
+    runs = [(name, lr) for name in args.variants for lr in (args.lane_rows if packed(name) else [0])]
     for name, lane_rows in runs:
         backends = variants(cfg)[name]
         for b in args.batch:
-            row = {"variant": name + (f"_lanes{lane_rows}" if name == "packed" and len(args.lane_rows) > 1 else ""),
+            row = {"variant": name + (f"_lanes{lane_rows}" if packed(name) and len(args.lane_rows) > 1 else ""),
                    "batch": b, "backends": dataclasses.asdict(backends)}
             res = guard(errors, f"{name} batch {b}", time_variant, model, cfg, backends, b, args.chunk, lengths,
                         args.calls, args.max_len, args.profile_calls, os.path.join(args.out, f"trace_{name}_{b}"),
-                        name == "packed", lane_rows or EngineConfig.prefill_lane_rows)
+                        packed(name), lane_rows or EngineConfig.prefill_lane_rows)
             if res is None:
                 row["error"] = errors[-1][:200]
             else:

@@ -6,6 +6,9 @@ Backends:
                    (kernels/attention/pallas_triton.py), which reads only the visible cache rows. The kernel's key
                    count is min(kv_len, q_pos + 1) clamped into [0, Tk]: exactly the reference's mask (key j visible
                    iff j <= q_pos and j < kv_len) for a single query. Tq > 1 (prefill) runs the reference.
+  "pallas_triton_flash"  as "pallas_triton" for Tq == 1; Tq > 1 runs the flash prefill kernel
+                   (`prefill_attention_triton`: no scores in HBM, each query block walks the keys up to its position).
+                   Not yet the default: unmeasured on the H200.
   "auto"           "pallas_triton" when JAX's default backend is a GPU, else "reference".
 
 Extra keyword arguments (`**backend_kwargs`) go to the kernel, e.g. `interpret=True` (Pallas interpret mode, for CPU
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kernels.attention.pallas_triton import decode_attention_triton
+from kernels.attention.pallas_triton import decode_attention_triton, prefill_attention_triton
 from kernels.attention.reference import attention_reference
 from kernels.dispatch import pick_backend
 
@@ -34,7 +37,13 @@ def _reference(q, k, v, q_pos, kv_len, *, scale: float, **_):
     return attention_reference(q, k[:B], v[:B], q_pos, kv_len, scale=scale)
 
 
-BACKENDS = {"reference": _reference, "pallas_triton": _attention_triton}
+def _attention_triton_flash(q, k, v, q_pos, kv_len, *, scale: float, **kernel_kwargs):
+    if q.shape[1] == 1:
+        return _attention_triton(q, k, v, q_pos, kv_len, scale=scale, **kernel_kwargs)
+    return prefill_attention_triton(q, k, v, q_pos, kv_len, scale=scale, **kernel_kwargs)
+
+
+BACKENDS = {"reference": _reference, "pallas_triton": _attention_triton, "pallas_triton_flash": _attention_triton_flash}
 
 
 def attention(q, k, v, q_pos, kv_len, *, scale: float, backend: str = "reference", **backend_kwargs):

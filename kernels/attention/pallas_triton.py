@@ -1,4 +1,5 @@
-"""Length-aware GQA decode attention (one query per sequence over a KV cache) as a Pallas GPU kernel, Triton lowering.
+"""Length-aware GQA decode attention (one query per sequence over a KV cache) as a Pallas GPU kernel, Triton lowering;
+and `prefill_attention_triton`, flash attention for many queries per sequence (prefill), at the end of this file.
 
 Flash-decoding: grid (sequence b, kv head h, split s). Sequence b's visible keys 0 .. n_b - 1 (n_b = kv_len[b]
 clamped into [0, L]) are cut into block_k-row blocks, and those blocks are dealt out in contiguous runs to the
@@ -127,3 +128,71 @@ def decode_attention_triton(q, k_cache, v_cache, kv_len, *, scale: float, block_
         interpret=interpret, name="decode_attention",
     )(kv_len, q, k_cache, v_cache)
     return _combine(m, l, acc, G).reshape(B, Hq, D).astype(q.dtype)
+
+
+# ==================================================================================================== prefill
+# Defaults: a first choice, compiled for sm_90 only (no H200 timing yet: experiments/prefill_timing.py's
+# `packed_flash` variant A/Bs it against XLA's attention inside the prefill call).
+PREFILL_TUNING = {"block_q": 64, "block_k": 64, "num_warps": 8, "num_stages": 2}
+
+
+def _prefill_kernel(len_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, D, BQ, BK, Tq, Tk, rep, scale, prec):
+    """Program (sequence b, query head h, query block m): flash attention of BQ query rows over the keys visible to
+    the block's last row, online softmax in fp32."""
+    b, h, mb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = h // rep
+    rows = pl.ds(mb * BQ, BQ)
+    qr = mb * BQ + jax.lax.broadcasted_iota(jnp.int32, (BQ,), 0)
+    q_live = qr < Tq
+    q = plt.load(q_ref.at[b, rows, h, :], mask=jnp.broadcast_to(q_live[:, None], (BQ, D)), other=0)
+    pos = plt.load(pos_ref.at[b, rows], mask=q_live, other=-1)                 # [BQ]; -1: sees nothing
+    n = jnp.minimum(len_ref[b], jnp.max(pos) + 1)                              # keys any row of the block sees
+    kr = jax.lax.broadcasted_iota(jnp.int32, (BK,), 0)
+
+    def body(j, carry):
+        m, l, acc = carry
+        kidx = j * BK + kr
+        live = kidx < jnp.minimum(n, Tk)
+        k = plt.load(k_ref.at[b, pl.ds(j * BK, BK), kh, :], mask=jnp.broadcast_to(live[:, None], (BK, D)), other=0)
+        v = plt.load(v_ref.at[b, pl.ds(j * BK, BK), kh, :], mask=jnp.broadcast_to(live[:, None], (BK, D)), other=0)
+        sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
+        seen = live[None, :] & (kidx[None, :] <= pos[:, None])                  # [BQ, BK]
+        sc = jnp.where(seen, sc * scale, -1e30)                                 # finite: m stays finite
+        m_new = jnp.maximum(m, jnp.max(sc, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(seen, jnp.exp(sc - m_new[:, None]), 0.0)
+        l = alpha * l + jnp.sum(p, axis=1)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+                                 preferred_element_type=f32)
+        return m_new, l, acc * alpha[:, None] + pv
+
+    init = (jnp.full((BQ,), -1e30, f32), jnp.zeros((BQ,), f32), jnp.zeros((BQ, D), f32))
+    _, l, acc = jax.lax.fori_loop(0, (n + BK - 1) // BK, body, init)
+    o = acc / jnp.where(l > 0, l, 1.0)[:, None]                                 # no visible key: 0
+    plt.store(o_ref.at[b, rows, h, :], o.astype(o_ref.dtype), mask=jnp.broadcast_to(q_live[:, None], (BQ, D)))
+
+
+def prefill_attention_triton(q, k, v, q_pos, kv_len, *, scale: float, block_q: int | None = None,
+                             block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                             interpret: bool = False):
+    """Causal GQA attention of many queries per sequence (prefill), flash style: no [Tq, Tk] scores in HBM.
+
+    q [B, Tq, Hq, D] at positions q_pos [B, Tq]; k, v [S, Tk, Hkv, D], S >= B (rows [0, B) are the sequences); key
+    j of sequence b is visible to query i iff j <= q_pos[b, i] and j < kv_len[b] (the reference's rule); a query
+    with no visible key gives zeros. Each query block walks the key blocks up to its last row's position only.
+    Returns [B, Tq, Hq, D] in q.dtype."""
+    p = {**PREFILL_TUNING, **{k_: v_ for k_, v_ in dict(block_q=block_q, block_k=block_k, num_warps=num_warps,
+                                                        num_stages=num_stages).items() if v_ is not None}}
+    B, Tq, Hq, D = q.shape
+    Tk, Hkv = k.shape[1], k.shape[2]
+    assert k.shape == v.shape and k.shape[0] >= B and k.shape[3] == D and Hq % Hkv == 0 and D == _next_pow2(D)
+    BQ, BK = p["block_q"], p["block_k"]
+    prec = jax.lax.Precision.HIGHEST if q.dtype == f32 else None
+    kern = functools.partial(_prefill_kernel, D=D, BQ=BQ, BK=BK, Tq=Tq, Tk=Tk, rep=Hq // Hkv, scale=float(scale),
+                             prec=prec)
+    return pl.pallas_call(
+        kern, grid=(B, Hq, pl.cdiv(Tq, BQ)),
+        out_shape=jax.ShapeDtypeStruct((B, Tq, Hq, D), q.dtype),
+        compiler_params=plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"]),
+        interpret=interpret, name="prefill_attention",
+    )(kv_len.astype(jnp.int32), q, q_pos.astype(jnp.int32), k, v)

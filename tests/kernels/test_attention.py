@@ -115,6 +115,59 @@ def test_auto_splits():
     assert pallas_triton.auto_splits(1, 2, 100, 64, 528, 16) == 2        # at most one split per key block
 
 
+# ------------------------------------------------------------------------------------------------ prefill kernel
+@functools.lru_cache(maxsize=None)
+def _prefill(scale, kw):
+    return jax.jit(functools.partial(pallas_triton.prefill_attention_triton, scale=scale, interpret=True,
+                                     **dict(kw)))
+
+
+def prefill_case(seed, B, Tq, S, L, Hq, Hkv, D, kv_len, dtype):
+    """q [B, Tq]; k, v [S, L] cache pools (S >= B) with NaN past each kv_len and in the rows past B (never read)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = (jax.random.normal(ks[0], (B, Tq, Hq, D), f32) * 2.0).astype(dtype)
+    k = jax.random.normal(ks[1], (S, L, Hkv, D), f32)
+    v = jax.random.normal(ks[2], (S, L, Hkv, D), f32)
+    n = jnp.asarray(kv_len + [0] * (S - B), jnp.int32)
+    live = (jnp.arange(L)[None, :] < n[:, None])[:, :, None, None]
+    k, v = jnp.where(live, k, jnp.nan).astype(dtype), jnp.where(live, v, jnp.nan).astype(dtype)
+    return q, k, v, n[:B], jnp.where(live, k, 0)[:B].astype(dtype), jnp.where(live, v, 0)[:B].astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [f32, bf16])
+@pytest.mark.parametrize("Hq,Hkv,D,block_q,block_k", [(4, 2, 32, 16, 16), (16, 2, 64, 32, 16), (8, 8, 16, 16, 32)])
+def test_prefill_kernel_vs_reference(dtype, Hq, Hkv, D, block_q, block_k):
+    """A fresh prefill (q_pos = 0..Tq-1, keys = the new rows: lengths 70, 1, 33, 0, rows past a length see the
+    length's keys) and a chunk over a cache (q_pos = start + t, kv_len = start + 24 with start 0, 40, 100, 7: the
+    query blocks end at different key blocks), in a pool with more rows than sequences."""
+    scale = D ** -0.5
+    run = _prefill(scale, (("block_q", block_q), ("block_k", block_k)))
+    lengths = [70, 1, 33, 0]
+    q, k, v, n, k0, v0 = prefill_case(11, 4, 70, 6, 70, Hq, Hkv, D, lengths, dtype)
+    q_pos = jnp.broadcast_to(jnp.arange(70, dtype=jnp.int32), (4, 70))
+    out = run(q, k, v, q_pos, n)
+    assert out.shape == q.shape and out.dtype == dtype
+    check(out, _ref(q, k0, v0, q_pos, n, scale=scale), n, dtype)
+    assert not np.asarray(out[3]).any()  # no key: zeros
+    start = jnp.array([0, 40, 100, 7], jnp.int32)
+    q, k, v, n, k0, v0 = prefill_case(12, 4, 24, 5, 130, Hq, Hkv, D, (start + 24).tolist(), dtype)
+    q_pos = start[:, None] + jnp.arange(24, dtype=jnp.int32)[None, :]
+    check(run(q, k, v, q_pos, n), _ref(q, k0, v0, q_pos, n, scale=scale), n, dtype)
+
+
+def test_prefill_kernel_drama3_heads_through_the_api():
+    """Hq 16, Hkv 2, D 256, the default tuning, via backend "pallas_triton_flash" (Tq > 1); Tq == 1 on that backend
+    is the decode kernel."""
+    lengths = [96, 65]
+    q, k, v, n, k0, v0 = prefill_case(13, 2, 96, 2, 96, 16, 2, 256, lengths, f32)
+    q_pos = jnp.broadcast_to(jnp.arange(96, dtype=jnp.int32), (2, 96))
+    run = jax.jit(functools.partial(api.attention, scale=1 / 16, backend="pallas_triton_flash", interpret=True))
+    check(run(q, k0, v0, q_pos, n), _ref(q, k0, v0, q_pos, n, scale=1 / 16), n, f32)
+    qd, qpd = q[:, :1], (n - 1)[:, None]
+    np.testing.assert_array_equal(np.asarray(run(qd, k0, v0, qpd, n)), np.asarray(jax.jit(functools.partial(
+        api.attention, scale=1 / 16, backend="pallas_triton", interpret=True))(qd, k0, v0, qpd, n)))
+
+
 # ------------------------------------------------------------------------------------------------ api / lowering
 def test_api_decode_and_fallback():
     """Tq == 1 through the kernel equals the reference, also where kv_len and q_pos + 1 differ (the smaller wins, as
@@ -159,3 +212,8 @@ def test_triton_lowering_full_shapes_for_h200():
         txt = lower_for_h200(fn, sd((B, 1, Hq, D), dt), sd((B, L, Hkv, D), dt), sd((B, L, Hkv, D), dt),
                              sd((B, 1), jnp.int32), sd((B,), jnp.int32))
         assert txt.count("__gpu$xla.gpu.triton") == 1
+    P, T = 8, 512  # the prefill kernel at a packed call's lanes
+    fn = functools.partial(api.attention, scale=D ** -0.5, backend="pallas_triton_flash")
+    txt = lower_for_h200(fn, sd((P, T, Hq, D), bf16), sd((P, T, Hkv, D), bf16), sd((P, T, Hkv, D), bf16),
+                         sd((P, T), jnp.int32), sd((P,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1
