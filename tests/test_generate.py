@@ -209,3 +209,33 @@ def test_packed_prefill_equals_the_batched_prefill(model, tok):
         r_got, got = step(got)
         r_want, want = step(want)
         np.testing.assert_array_equal(np.asarray(r_got), np.asarray(r_want))
+
+
+def test_packed_prefill_with_the_flash_attention_kernel(model, tok, monkeypatch):
+    """The packed prefill with attention backend "pallas_triton_flash" (its Pallas kernels in interpret mode: the
+    backbone's and the tower's attention over each prompt's lanes) gives the reference backend's caches and last
+    hidden; the other ops stay on the reference."""
+    import functools
+
+    import jax
+
+    from kernels.attention import api
+    monkeypatch.setitem(api.BACKENDS, "pallas_triton_flash",
+                        functools.partial(api.BACKENDS["pallas_triton_flash"], interpret=True))
+    cfg = model.cfg
+    prompts = [build_prompt(tok, cfg, "One small step."), build_prompt(tok, cfg, "<|speaker:1|> Hi there.")]
+    params, seeds = [SamplingParams(1.0, 0.9, 30)] * 2, [5, 6]
+    runs = {}
+    for name in ("reference", "pallas_triton_flash"):
+        prefill = Prefiller(model, max_len=128, chunk=64, backends=Backends(attention=name))
+        n = sum(len(p) for p in prompts)
+        runs[name] = prefill.packed(prompts, RequestSampling.make(params, seeds), num_rows=n + 6, num_seqs=2)
+    got, want = runs["pallas_triton_flash"], runs["reference"]
+    lens = np.array([len(p) for p in prompts])[:, None]
+    for a, b in zip(jax.tree.leaves(got.cache), jax.tree.leaves(want.cache)):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.ndim >= 3 and a.shape[1] == 128:  # KV caches: only rows below each length are written
+            keep = (np.arange(128)[None, :] < lens)[(...,) + (None,) * (a.ndim - 2)]
+            a, b = a * keep, b * keep
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)  # fp32; the online softmax sums in another order
+    np.testing.assert_allclose(np.asarray(got.h), np.asarray(want.h), rtol=1e-4, atol=1e-4)
