@@ -30,6 +30,9 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
        v_new = u - w S;  o = (q e^g) S + Aqk v_new;  S <- e^{g_last} S + (k e^{g_last - g})^T v_new.
   Algorithm as in FLA `chunk_gated_delta_rule` (chunk_scaled_dot_kkt + solve_tril + recompute_w_u, then
   chunk_delta_h fused with chunk_o so the per-chunk states are never stored).
+  With `fused=True` (TUNING["prefill"], off by default until timed) one launch does all three per (sequence, value
+  head, D_v slice): `_fused_kernel` builds each chunk's A, inverse and operands on chip from 16-row sub-blocks, then
+  runs the state pass; nothing but o and the final state goes to HBM.
 
 H200 measurements and their analysis: experiments/results/gdn_summary.md.
 
@@ -76,7 +79,11 @@ TUNING = {
     "prefill_prep": {"inv_num_warps": 1, "wu_num_warps": 8, "num_stages": 1},
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
                       "num_stages": 2, "static_loop": True},
-    "prefill": {"dot": "bfloat16"},
+    "prefill": {"dot": "bfloat16", "fused": False},
+    # `fused`: one launch per (sequence, value head, bv slice) that builds each chunk's inverse and operands on chip
+    # (`_fused_kernel`); not yet timed on the H200. Compiled for sm_90a (pip Triton, 2026-12-02) at the engine's
+    # packed shape it uses 255 registers and spills 836 bytes per thread (bv 64, 8 warps; bv 32: 684; 4 warps: 2 KB)
+    "prefill_fused": {"bv": 64, "num_warps": 8, "num_stages": 1},
 }
 CHUNK = 64     # rows per chunk (prefill)
 SUB = 16       # rows per sub-block of the triangular inverse
@@ -468,28 +475,114 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
     st_ref[bi, h, :, cols] = S
 
 
-def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool, dot, bv,
-                   static_loop, num_warps, num_stages, inv_num_warps, wu_num_warps):
-    """The three launches on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
-    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len). Returns (o [N, H_v, D_v] fp32, written on those
-    rows only; final_state [B, H_v, D_k, D_v] fp32)."""
-    pd = _params("prefill", dict(dot=dot))
-    ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
-    pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps))
+def _fused_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *rest, rep, dk, bv, scale, dot, has_init):
+    """Per (sequence, value head, D_v slice), the whole chunked prefill in one walk over the live chunks: each chunk's
+    A, (I + A)^-1, w, u and Aqk are built on chip from its four 16-row sub-blocks (the blocks of `_inv_kernel` and
+    `_wu_kernel`, computed from row slices of k instead of a [64, 64] tile parked in HBM), then the state pass of
+    `_state_kernel`. The operands and their casts are those of the three-launch path."""
+    if has_init:
+        s0_ref, o_ref, st_ref = rest
+    else:
+        o_ref, st_ref = rest
+    bi, h, jv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = h // rep
+    L = len_ref[bi]
+    off = off_ref[bi]
+    cols = pl.ds(jv * bv, bv)
+    nb = CHUNK // SUB
+    sr = jnp.arange(SUB, dtype=jnp.int32)
+    strict, incl = sr[:, None] > sr[None, :], sr[:, None] >= sr[None, :]
+    S = s0_ref[bi, h, :, cols].astype(f32) if has_init else jnp.zeros((dk, bv), f32)
+
+    def body(c, S):
+        t0 = c * CHUNK
+        valid = [(t0 + i * SUB + sr) < L for i in range(nb)]
+        src = [pl.ds(off + t0 + i * SUB, SUB) for i in range(nb)]
+        K = [_l2n(_masked_load(k_ref.at[src[i], kh, :], valid[i][:, None], (SUB, dk))) for i in range(nb)]
+        be = [_masked_load(beta_ref.at[src[i], h], valid[i], (SUB,)) for i in range(nb)]
+        gc, total = [], 0.0
+        for i in range(nb):  # the chunk's cumulative log decay, sub-block by sub-block
+            gi = _masked_load(g_ref.at[src[i], h], valid[i], (SUB,))
+            gc.append(jnp.cumsum(gi) + total)
+            total = total + jnp.sum(gi)
+        gl = total
+
+        def decay(i, j, mask):  # exp(gc_i - gc_j) on the visible pairs (0 elsewhere, no overflow above them)
+            dg = gc[i][:, None] - gc[j][None, :]
+            return jnp.exp(jnp.where(mask, dg, 0.0)) if mask is not None else jnp.exp(dg)
+
+        A = {(i, j): be[i][:, None] * _dot_nt(K[i], K[j], dot) * decay(i, j, None if j < i else strict)
+             for i in range(nb) for j in range(i + 1)}
+        A.update({(i, i): jnp.where(strict, A[i, i], 0.0) for i in range(nb)})
+        X = dict(zip([(i, i) for i in range(nb)], _tri_inv_unit([A[i, i] for i in range(nb)], SUB)))
+        for d in range(1, nb):
+            for i in range(d, nb):
+                j = i - d
+                acc = _dot(A[i, j], X[j, j], "float32")
+                for m in range(j + 1, i):
+                    acc = acc + _dot(A[i, m], X[m, j], "float32")
+                X[i, j] = -_dot(X[i, i], acc, "float32")
+        bk = [K[j] * (be[j] * jnp.exp(gc[j]))[:, None] for j in range(nb)]
+        bvv = [_masked_load(v_ref.at[src[j], h, cols], valid[j][:, None], (SUB, bv)) * be[j][:, None]
+               for j in range(nb)]
+        vnew = []
+        for i in range(nb):  # v_new = u - w S with w = X (beta e^gc k), u = X (beta v)
+            w = sum(_dot(X[i, j], bk[j], dot) for j in range(i + 1))
+            u = sum(_dot(X[i, j], bvv[j], dot) for j in range(i + 1))
+            vnew.append(u - _dot(w, S, dot))
+        for i in range(nb):  # o = (q e^gc) S + Aqk v_new
+            q = _l2n(_masked_load(q_ref.at[src[i], kh, :], valid[i][:, None], (SUB, dk))) * scale
+            o = _dot(q * jnp.exp(gc[i])[:, None], S, dot)
+            for j in range(i + 1):
+                aqk = _dot_nt(q, K[j], dot) * decay(i, j, None if j < i else incl)
+                o = o + _dot(jnp.where(incl, aqk, 0.0) if j == i else aqk, vnew[j], dot)
+            plt.store(o_ref.at[src[i], h, cols], o, mask=jnp.broadcast_to(valid[i][:, None], (SUB, bv)))
+        S = jnp.exp(gl) * S  # S <- e^gl S + (k e^(gl - gc))^T v_new
+        for j in range(nb):
+            S = S + _dot(K[j] * jnp.exp(gl - gc[j])[:, None], vnew[j], dot, trans_a=True)
+        return S
+
+    S = jax.lax.fori_loop(0, (L + CHUNK - 1) // CHUNK, body, S)
+    st_ref[bi, h, :, cols] = S
+
+
+def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool = False, *,
+                   dot=None, fused=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
+                   inv_num_warps=None, wu_num_warps=None):
+    """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
+    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len). Three launches, or with `fused` one
+    (`_fused_kernel`). Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v]
+    fp32). Tuning overrides: see TUNING ("prefill", "prefill_state" or "prefill_fused", "prefill_prep")."""
+    pd = _params("prefill", dict(dot=dot, fused=fused))
     dot = pd["dot"]
     N, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     B = offsets.shape[0]
     rep = hv // hk
+    assert k.shape == q.shape and g.shape == beta.shape == (N, hv)
+    lengths = jnp.minimum(lengths.astype(jnp.int32), seq_len)
+    offsets = offsets.astype(jnp.int32)
+    has_init = initial_state is not None
+    out_shape = (jax.ShapeDtypeStruct((N, hv, dv), f32), jax.ShapeDtypeStruct((B, hv, dk, dv), f32))
+    if pd["fused"]:
+        pf = _params("prefill_fused", dict(bv=bv, num_warps=num_warps, num_stages=num_stages))
+        bv_ = min(pf["bv"], dv)
+        assert dv % bv_ == 0
+        return pl.pallas_call(
+            functools.partial(_fused_kernel, rep=rep, dk=dk, bv=bv_, scale=dk ** -0.5, dot=dot, has_init=has_init),
+            out_shape=out_shape, grid=(B, hv, dv // bv_),
+            compiler_params=plt.CompilerParams(num_warps=pf["num_warps"], num_stages=pf["num_stages"]),
+            interpret=interpret, name="gdn_prefill_fused",
+        )(lengths, offsets, q, k, v, g, beta, *((initial_state,) if has_init else ()))
+    ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
+    pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps))
     nc = pl.cdiv(seq_len, CHUNK)
     tp = nc * CHUNK
     bv_ = ps["bv"]
     if bv_ is None:  # fewer state-pass programs than SMs at the large tile: split D_v finer
         bv_ = ps["bv_small_grid"] if B * hv * (dv // ps["bv_large_grid"]) < ps["num_sms"] else ps["bv_large_grid"]
     bv_ = min(bv_, dv)
-    assert dv % bv_ == 0 and k.shape == q.shape and g.shape == beta.shape == (N, hv)
-    lengths = jnp.minimum(lengths.astype(jnp.int32), seq_len)
-    offsets = offsets.astype(jnp.int32)
+    assert dv % bv_ == 0
     opdt = _DOT_DTYPE[dot]  # everything the state pass reads as a dot operand is stored in the operand dtype
     pinv = plt.CompilerParams(num_warps=pp["inv_num_warps"], num_stages=pp["num_stages"])
     pwu = plt.CompilerParams(num_warps=pp["wu_num_warps"], num_stages=pp["num_stages"])
@@ -508,13 +601,11 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
                    jax.ShapeDtypeStruct((B, hv, nc), f32)),
         grid=(B, hv, nc), compiler_params=pwu, interpret=interpret, name="gdn_prefill_wu",
     )(lengths, offsets, q, k, v, g, beta, xinv)
-    has_init = initial_state is not None
     args = (lengths, offsets, w, u, qg, kg, aqk, dl) + ((initial_state,) if has_init else ())
     return pl.pallas_call(
         functools.partial(_state_kernel, dk=dk, bv=bv_, nc=nc, dot=dot, has_init=has_init,
                           static_loop=ps["static_loop"]),
-        out_shape=(jax.ShapeDtypeStruct((N, hv, dv), f32),
-                   jax.ShapeDtypeStruct((B, hv, dk, dv), f32)),
+        out_shape=out_shape,
         grid=(B, hv, dv // bv_),
         compiler_params=plt.CompilerParams(num_warps=ps["num_warps"], num_stages=ps["num_stages"]),
         interpret=interpret,
@@ -523,37 +614,31 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
 
 
 def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengths=None, *, interpret: bool = False,
-                                     dot: str | None = None, bv: int | None = None, static_loop: bool | None = None,
-                                     num_warps: int | None = None, num_stages: int | None = None,
-                                     inv_num_warps: int | None = None, wu_num_warps: int | None = None):
+                                     **tuning):
     """Chunked gated delta rule; same contract as `reference.gated_delta_chunked` (o and final state in fp32).
 
     q, k [B, T, H_k, D_k]; v [B, T, H_v, D_v]; g (log decay), beta [B, T, H_v]; initial_state [B, H_v, D_k, D_v]
     (fp32 or bf16); lengths [B] (None: all T). Positions >= lengths[b] give zero output and leave the state alone.
-    Three launches: (I + A)^-1 per chunk, the per-chunk dot operands, the sequential state pass."""
+    `tuning`: overrides of TUNING's prefill entries (`dot`, `fused`, `bv`, `num_warps`, ...; see `_chunk_prefill`)."""
     B, T = q.shape[:2]
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.minimum(lengths.astype(jnp.int32), T)
     rows = lambda x: x.reshape((B * T,) + x.shape[2:])
     o, st = _chunk_prefill(*map(rows, (q, k, v, g, beta)), initial_state, jnp.arange(B, dtype=jnp.int32) * T,
-                           lengths, T, interpret, dot, bv, static_loop, num_warps, num_stages, inv_num_warps,
-                           wu_num_warps)
+                           lengths, T, interpret, **tuning)
     valid = jnp.arange(T)[None, :] < lengths[:, None]
     return jnp.where(valid[..., None, None], o.reshape((B, T) + o.shape[1:]), 0.0), st
 
 
 def gated_delta_packed_prefill_triton(q, k, v, g, beta, initial_state, offsets, lengths, *, seq_len: int,
-                                      interpret: bool = False, dot: str | None = None, bv: int | None = None,
-                                      static_loop: bool | None = None, num_warps: int | None = None,
-                                      num_stages: int | None = None, inv_num_warps: int | None = None,
-                                      wu_num_warps: int | None = None):
+                                      interpret: bool = False, **tuning):
     """The chunked prefill on sequences packed end to end; same contract as `reference.gated_delta_packed`.
 
     q, k [1, N, H_k, D_k]; v [1, N, H_v, D_v]; g, beta [1, N, H_v]; sequence p at rows offsets[p] .. offsets[p] +
     lengths[p] - 1 (lengths <= seq_len, static). The kernels read those rows in place (no gather into lanes) and
-    write o there; rows outside every sequence come back zero."""
+    write o there; rows outside every sequence come back zero. `tuning` as for `gated_delta_chunk_prefill_triton`."""
     N = q.shape[1]
     o, st = _chunk_prefill(q[0], k[0], v[0], g[0], beta[0], initial_state, offsets, lengths, seq_len, interpret,
-                           dot, bv, static_loop, num_warps, num_stages, inv_num_warps, wu_num_warps)
+                           **tuning)
     r = jnp.arange(N, dtype=jnp.int32)[:, None]
     valid = ((r >= offsets[None, :]) & (r < (offsets + lengths)[None, :])).any(axis=1)
     return jnp.where(valid[:, None, None], o, 0.0)[None], st

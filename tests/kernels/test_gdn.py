@@ -88,17 +88,18 @@ def decode_inputs(seed, slots_total, B, hk, hv, dk, dv, K=4, state_dtype=f32, x_
 
 
 # ------------------------------------------------------------------------------------------------ prefill
-@pytest.mark.parametrize("static_loop", [False, True])
-def test_prefill_ragged_matches_recurrence(static_loop):
-    """Lengths 1, 63, 64, 65, 300 in one right-padded batch, initial state carried in, NaN garbage past lengths."""
+@pytest.mark.parametrize("variant", ["dynamic", "static", "fused"])
+def test_prefill_ragged_matches_recurrence(variant):
+    """Lengths 1, 63, 64, 65, 300 in one right-padded batch, initial state carried in, NaN garbage past lengths;
+    the three-launch path with a dynamic or a static chunk loop, and the one-launch fused kernel."""
     B, T, hk, hv, dk, dv = 5, 300, 1, 2, 32, 32
-    if static_loop:  # the static trip-count variant is slower to interpret: a shorter batch
+    if variant == "static":  # the static trip-count variant is slower to interpret: a shorter batch
         T, lengths = 130, jnp.array([1, 63, 64, 65, 130], jnp.int32)
     else:
         lengths = jnp.array([1, 63, 64, 65, 300], jnp.int32)
     q, k, v, g, beta, s0 = prefill_inputs(0, B, T, hk, hv, dk, dv)
     o, st = kernel_prefill(*(nan_pad(x, lengths) for x in (q, k, v, g, beta)), s0, lengths, dot="float32", bv=16,
-                           static_loop=static_loop)
+                           static_loop=variant == "static", fused=variant == "fused")
     o_ref, st_ref = ref_recurrent(q, k, v, g, beta, s0, lengths)
     assert o.shape == (B, T, hv, dv) and o.dtype == f32 and st.shape == (B, hv, dk, dv) and st.dtype == f32
     assert not bool(jnp.isnan(o).any()) and not bool(jnp.isnan(st).any())
@@ -110,7 +111,8 @@ def test_prefill_ragged_matches_recurrence(static_loop):
         assert rel(st[i], st_ref[i]) <= 2e-5, i
 
 
-def test_prefill_packed_reads_each_sequence_in_place():
+@pytest.mark.parametrize("fused", [False, True])
+def test_prefill_packed_reads_each_sequence_in_place(fused):
     """Sequences of 65, 1, 64 and 63 rows packed end to end, NaN garbage in the padding rows, an empty lane, one
     initial state per lane: each sequence's rows and final state equal the recurrence alone; rows outside are 0."""
     hk, hv, dk, dv, T, N = 1, 2, 32, 32, 65, 220
@@ -121,8 +123,8 @@ def test_prefill_packed_reads_each_sequence_in_place():
     s0 = prefill_inputs(10, len(lengths), 1, hk, hv, dk, dv)[5]
     used = int(lengths.sum())
     garbage = lambda x: x.at[:, used:].set(jnp.nan)
-    o, st = _jitted("packed", (("dot", "float32"), ("seq_len", T)))(*map(garbage, (q, k, v, g, beta)), s0,
-                                                                     jnp.asarray(lengths), jnp.asarray(offsets))
+    run = _jitted("packed", (("dot", "float32"), ("fused", fused), ("seq_len", T)))
+    o, st = run(*map(garbage, (q, k, v, g, beta)), s0, jnp.asarray(lengths), jnp.asarray(offsets))
     assert o.shape == (1, N, hv, dv) and st.shape == (len(lengths), hv, dk, dv)
     assert not bool(jnp.isnan(o).any()) and not bool((o[0, used:] != 0).any())
     for i, (off, n) in enumerate(zip(offsets, lengths)):
@@ -143,13 +145,14 @@ def test_prefill_full_head_dim_no_state_no_lengths():
     assert rel(o, o_ref) <= 2e-5 and rel(st, st_ref) <= 2e-5
 
 
-def test_prefill_bf16_dots_and_bf16_inputs():
+@pytest.mark.parametrize("fused", [False, True])
+def test_prefill_bf16_dots_and_bf16_inputs(fused):
     """The fast GPU mode: bf16 q/k/v inputs, bf16 dot operands, bf16 initial state; fp32 accumulation."""
     B, T, hk, hv, dk, dv = 2, 130, 2, 4, 32, 32
     lengths = jnp.array([130, 70], jnp.int32)
     q, k, v, g, beta, s0 = prefill_inputs(2, B, T, hk, hv, dk, dv, jnp.bfloat16)
     s0 = s0.astype(jnp.bfloat16)
-    o, st = kernel_prefill(q, k, v, g, beta, s0, lengths, dot="bfloat16", bv=16)
+    o, st = kernel_prefill(q, k, v, g, beta, s0, lengths, dot="bfloat16", bv=16, fused=fused)
     o_ref, st_ref = ref_recurrent(q, k, v, g, beta, s0, lengths)
     assert not bool(jnp.isnan(o).any())
     assert rel(o, o_ref) <= 2e-2 and rel(st, st_ref) <= 2e-2
@@ -325,6 +328,10 @@ def test_triton_lowering_full_shapes_for_h200():
             q, k, v, g, be, s0, ln, dot=dot), sd((B, T, hk, d), bf), sd((B, T, hk, d), bf), sd((B, T, hv, d), bf),
             sd((B, T, hv), f32), sd((B, T, hv), f32), sd((B, hv, d, d), f32), sd((B,), jnp.int32))
         assert txt.count("__gpu$xla.gpu.triton") == 3  # inverse, w/u operands, state pass
+    txt = lower_for_h200(lambda q, k, v, g, be, s0, ln: pallas_triton.gated_delta_chunk_prefill_triton(
+        q, k, v, g, be, s0, ln, fused=True), sd((B, T, hk, d), bf), sd((B, T, hk, d), bf), sd((B, T, hv, d), bf),
+        sd((B, T, hv), f32), sd((B, T, hv), f32), sd((B, hv, d, d), f32), sd((B,), jnp.int32))
+    assert txt.count("__gpu$xla.gpu.triton") == 1  # the fused kernel: one launch
     N = 2 * T  # packed: B sequences of at most T rows in 2T rows, read in place
     txt = lower_for_h200(lambda q, k, v, g, be, s0, ln, off: pallas_triton.gated_delta_packed_prefill_triton(
         q, k, v, g, be, s0, off, ln, seq_len=T), sd((1, N, hk, d), f32), sd((1, N, hk, d), f32),
