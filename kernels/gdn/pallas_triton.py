@@ -31,8 +31,8 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
   Algorithm as in FLA `chunk_gated_delta_rule` (chunk_scaled_dot_kkt + solve_tril + recompute_w_u, then
   chunk_delta_h fused with chunk_o so the per-chunk states are never stored).
   With `fused=True` (TUNING["prefill"], off by default until timed) one launch does all three per (sequence, value
-  head, D_v slice): `_fused_kernel` builds each chunk's A, inverse and operands on chip from 16-row sub-blocks, then
-  runs the state pass; nothing but o and the final state goes to HBM.
+  head, D_v slice): `_fused_kernel` walks the chunks, inverts each chunk's A in its own [64, 64] scratch (L2) and
+  keeps the operands in registers; only o and the final state go to HBM.
 
 H200 measurements and their analysis: experiments/results/gdn_summary.md.
 
@@ -80,9 +80,11 @@ TUNING = {
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
                       "num_stages": 2, "static_loop": True},
     "prefill": {"dot": "bfloat16", "fused": False},
-    # `fused`: one launch per (sequence, value head, bv slice) that builds each chunk's inverse and operands on chip
-    # (`_fused_kernel`); not yet timed on the H200. Compiled for sm_90a (pip Triton, 2026-12-02) at the engine's
-    # packed shape it uses 255 registers and spills 836 bytes per thread (bv 64, 8 warps; bv 32: 684; 4 warps: 2 KB)
+    # `fused`: one launch per (sequence, value head, bv slice) that walks the chunks with the inverse in its own L2
+    # scratch and the operands in registers (`_fused_kernel`); not yet timed on the H200. Compiled for sm_90a (pip
+    # Triton, 2026-12-02) at the engine's packed shape: 255 registers, 816 bytes of spills per thread at bv 64 / 8
+    # warps (bv 32: 600; 4 warps: 1.5 KB); the default path's inverse kernel (1 warp) spills 848, its w/u and state
+    # kernels none
     "prefill_fused": {"bv": 64, "num_warps": 8, "num_stages": 1},
 }
 CHUNK = 64     # rows per chunk (prefill)
@@ -351,7 +353,6 @@ def _inv_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot
     kh = h // rep
     L = len_ref[bi]
     t0 = c * CHUNK
-    nb = CHUNK // SUB
 
     @pl.when(t0 < L)  # chunks wholly past the sequence end are never read
     def _():
@@ -365,24 +366,35 @@ def _inv_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot
         sl = cr[:, None] > cr[None, :]
         dg = jnp.where(sl, gc[:, None] - gc[None, :], 0.0)
         x_ref[bi, h, rows, :] = jnp.where(sl, be[:, None] * _dot_nt(k, k, dot) * jnp.exp(dg), 0.0)
-        if barrier:
-            plt.debug_barrier()  # A written by all threads before any thread reads its blocks back
-        blk = lambda i, j: x_ref[bi, h, pl.ds(t0 + i * SUB, SUB), pl.ds(j * SUB, SUB)]
-        A = {(i, j): blk(i, j) for i in range(nb) for j in range(i + 1)}
-        if barrier:
-            plt.debug_barrier()  # every block read before X overwrites them
-        X = dict(zip([(i, i) for i in range(nb)], _tri_inv_unit([A[i, i] for i in range(nb)], SUB)))
-        for d in range(1, nb):
-            for i in range(d, nb):
-                j = i - d
-                acc = _dot(A[i, j], X[j, j], "float32")
-                for m in range(j + 1, i):
-                    acc = acc + _dot(A[i, m], X[m, j], "float32")
-                X[i, j] = -_dot(X[i, i], acc, "float32")
-        zero = jnp.zeros((SUB, SUB), f32)
-        for i in range(nb):
-            for j in range(nb):
-                x_ref[bi, h, pl.ds(t0 + i * SUB, SUB), pl.ds(j * SUB, SUB)] = X[i, j] if j <= i else zero
+        _invert_parked(x_ref, (bi, h), t0, barrier)
+
+
+def _invert_parked(x_ref, lead: tuple, row0, barrier: bool):
+    """x_ref[lead + (rows row0 .. row0 + 63, columns 0 .. 63)] holds a strictly-lower A (fp32); overwrites it with
+    (I + A)^-1: forward substitution of the four diagonal 16x16 blocks, block forward substitution X_ij = -X_ii
+    sum_{m=j}^{i-1} A_im X_mj for the others (fp32, FLA solve_tril's blocking), zeros above the diagonal blocks.
+    `barrier`: on the GPU, the threads that wrote A are not the ones that read its blocks back. (The ref and its
+    leading indices come separately: the Triton lowering takes one indexer per access.)"""
+    nb = CHUNK // SUB
+    at = lambda i, j: lead + (pl.ds(row0 + i * SUB, SUB), pl.ds(j * SUB, SUB))
+    blk = lambda i, j: x_ref[at(i, j)]
+    if barrier:
+        plt.debug_barrier()  # A written by all threads before any thread reads its blocks back
+    A = {(i, j): blk(i, j) for i in range(nb) for j in range(i + 1)}
+    if barrier:
+        plt.debug_barrier()  # every block read before X overwrites them
+    X = dict(zip([(i, i) for i in range(nb)], _tri_inv_unit([A[i, i] for i in range(nb)], SUB)))
+    for d in range(1, nb):
+        for i in range(d, nb):
+            j = i - d
+            acc = _dot(A[i, j], X[j, j], "float32")
+            for m in range(j + 1, i):
+                acc = acc + _dot(A[i, m], X[m, j], "float32")
+            X[i, j] = -_dot(X[i, i], acc, "float32")
+    zero = jnp.zeros((SUB, SUB), f32)
+    for i in range(nb):
+        for j in range(nb):
+            x_ref[at(i, j)] = X[i, j] if j <= i else zero
 
 
 def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
@@ -475,72 +487,50 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
     st_ref[bi, h, :, cols] = S
 
 
-def _fused_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *rest, rep, dk, bv, scale, dot, has_init):
-    """Per (sequence, value head, D_v slice), the whole chunked prefill in one walk over the live chunks: each chunk's
-    A, (I + A)^-1, w, u and Aqk are built on chip from its four 16-row sub-blocks (the blocks of `_inv_kernel` and
-    `_wu_kernel`, computed from row slices of k instead of a [64, 64] tile parked in HBM), then the state pass of
-    `_state_kernel`. The operands and their casts are those of the three-launch path."""
+def _fused_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *rest, rep, dk, bv, scale, dot, has_init,
+                  barrier):
+    """Per (sequence, value head, D_v slice), the whole chunked prefill in one walk over the live chunks: per chunk
+    the math of `_inv_kernel` (A parked in this program's own [64, 64] scratch, which L2 holds, and inverted there),
+    of `_wu_kernel` (w, u, q e^gc, k e^(gl - gc), Aqk, in registers) and of `_state_kernel`, with the same operands
+    and casts; only o and the final state reach HBM."""
     if has_init:
-        s0_ref, o_ref, st_ref = rest
+        s0_ref, o_ref, st_ref, x_ref = rest
     else:
-        o_ref, st_ref = rest
+        o_ref, st_ref, x_ref = rest
     bi, h, jv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // rep
     L = len_ref[bi]
     off = off_ref[bi]
     cols = pl.ds(jv * bv, bv)
-    nb = CHUNK // SUB
-    sr = jnp.arange(SUB, dtype=jnp.int32)
-    strict, incl = sr[:, None] > sr[None, :], sr[:, None] >= sr[None, :]
+    cr = jnp.arange(CHUNK, dtype=jnp.int32)
+    strict, incl = cr[:, None] > cr[None, :], cr[:, None] >= cr[None, :]
     S = s0_ref[bi, h, :, cols].astype(f32) if has_init else jnp.zeros((dk, bv), f32)
 
     def body(c, S):
         t0 = c * CHUNK
-        valid = [(t0 + i * SUB + sr) < L for i in range(nb)]
-        src = [pl.ds(off + t0 + i * SUB, SUB) for i in range(nb)]
-        K = [_l2n(_masked_load(k_ref.at[src[i], kh, :], valid[i][:, None], (SUB, dk))) for i in range(nb)]
-        be = [_masked_load(beta_ref.at[src[i], h], valid[i], (SUB,)) for i in range(nb)]
-        gc, total = [], 0.0
-        for i in range(nb):  # the chunk's cumulative log decay, sub-block by sub-block
-            gi = _masked_load(g_ref.at[src[i], h], valid[i], (SUB,))
-            gc.append(jnp.cumsum(gi) + total)
-            total = total + jnp.sum(gi)
-        gl = total
-
-        def decay(i, j, mask):  # exp(gc_i - gc_j) on the visible pairs (0 elsewhere, no overflow above them)
-            dg = gc[i][:, None] - gc[j][None, :]
-            return jnp.exp(jnp.where(mask, dg, 0.0)) if mask is not None else jnp.exp(dg)
-
-        A = {(i, j): be[i][:, None] * _dot_nt(K[i], K[j], dot) * decay(i, j, None if j < i else strict)
-             for i in range(nb) for j in range(i + 1)}
-        A.update({(i, i): jnp.where(strict, A[i, i], 0.0) for i in range(nb)})
-        X = dict(zip([(i, i) for i in range(nb)], _tri_inv_unit([A[i, i] for i in range(nb)], SUB)))
-        for d in range(1, nb):
-            for i in range(d, nb):
-                j = i - d
-                acc = _dot(A[i, j], X[j, j], "float32")
-                for m in range(j + 1, i):
-                    acc = acc + _dot(A[i, m], X[m, j], "float32")
-                X[i, j] = -_dot(X[i, i], acc, "float32")
-        bk = [K[j] * (be[j] * jnp.exp(gc[j]))[:, None] for j in range(nb)]
-        bvv = [_masked_load(v_ref.at[src[j], h, cols], valid[j][:, None], (SUB, bv)) * be[j][:, None]
-               for j in range(nb)]
-        vnew = []
-        for i in range(nb):  # v_new = u - w S with w = X (beta e^gc k), u = X (beta v)
-            w = sum(_dot(X[i, j], bk[j], dot) for j in range(i + 1))
-            u = sum(_dot(X[i, j], bvv[j], dot) for j in range(i + 1))
-            vnew.append(u - _dot(w, S, dot))
-        for i in range(nb):  # o = (q e^gc) S + Aqk v_new
-            q = _l2n(_masked_load(q_ref.at[src[i], kh, :], valid[i][:, None], (SUB, dk))) * scale
-            o = _dot(q * jnp.exp(gc[i])[:, None], S, dot)
-            for j in range(i + 1):
-                aqk = _dot_nt(q, K[j], dot) * decay(i, j, None if j < i else incl)
-                o = o + _dot(jnp.where(incl, aqk, 0.0) if j == i else aqk, vnew[j], dot)
-            plt.store(o_ref.at[src[i], h, cols], o, mask=jnp.broadcast_to(valid[i][:, None], (SUB, bv)))
-        S = jnp.exp(gl) * S  # S <- e^gl S + (k e^(gl - gc))^T v_new
-        for j in range(nb):
-            S = S + _dot(K[j] * jnp.exp(gl - gc[j])[:, None], vnew[j], dot, trans_a=True)
-        return S
+        valid = (t0 + cr) < L
+        src = pl.ds(off + t0, CHUNK)
+        k = _l2n(_masked_load(k_ref.at[src, kh, :], valid[:, None], (CHUNK, dk)))
+        be = _masked_load(beta_ref.at[src, h], valid, (CHUNK,))
+        gc = jnp.cumsum(_masked_load(g_ref.at[src, h], valid, (CHUNK,)))
+        gl = jnp.sum(jnp.where(cr == CHUNK - 1, gc, 0.0))
+        if barrier:
+            plt.debug_barrier()  # the previous chunk's X read by every thread before A overwrites it
+        dg = jnp.where(strict, gc[:, None] - gc[None, :], 0.0)
+        x_ref[bi, h, jv, :, :] = jnp.where(strict, be[:, None] * _dot_nt(k, k, dot) * jnp.exp(dg), 0.0)
+        _invert_parked(x_ref, (bi, h, jv), 0, barrier)
+        if barrier:
+            plt.debug_barrier()  # X written before it is read whole
+        X = x_ref[bi, h, jv, :, :]
+        v = _masked_load(v_ref.at[src, h, cols], valid[:, None], (CHUNK, bv))
+        w = _dot(X, k * (be * jnp.exp(gc))[:, None], dot)
+        v_new = _dot(X, v * be[:, None], dot) - _dot(w, S, dot)
+        q = _l2n(_masked_load(q_ref.at[src, kh, :], valid[:, None], (CHUNK, dk))) * scale
+        di = jnp.where(incl, gc[:, None] - gc[None, :], 0.0)
+        aqk = jnp.where(incl, _dot_nt(q, k, dot) * jnp.exp(di), 0.0)
+        o = _dot(q * jnp.exp(gc)[:, None], S, dot) + _dot(aqk, v_new, dot)
+        plt.store(o_ref.at[src, h, cols], o, mask=jnp.broadcast_to(valid[:, None], (CHUNK, bv)))
+        return jnp.exp(gl) * S + _dot(k * jnp.exp(gl - gc)[:, None], v_new, dot, trans_a=True)
 
     S = jax.lax.fori_loop(0, (L + CHUNK - 1) // CHUNK, body, S)
     st_ref[bi, h, :, cols] = S
@@ -568,12 +558,15 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
         pf = _params("prefill_fused", dict(bv=bv, num_warps=num_warps, num_stages=num_stages))
         bv_ = min(pf["bv"], dv)
         assert dv % bv_ == 0
-        return pl.pallas_call(
-            functools.partial(_fused_kernel, rep=rep, dk=dk, bv=bv_, scale=dk ** -0.5, dot=dot, has_init=has_init),
-            out_shape=out_shape, grid=(B, hv, dv // bv_),
+        o, st, _ = pl.pallas_call(
+            functools.partial(_fused_kernel, rep=rep, dk=dk, bv=bv_, scale=dk ** -0.5, dot=dot, has_init=has_init,
+                              barrier=not interpret),
+            out_shape=out_shape + (jax.ShapeDtypeStruct((B, hv, dv // bv_, CHUNK, CHUNK), f32),),  # the scratch
+            grid=(B, hv, dv // bv_),
             compiler_params=plt.CompilerParams(num_warps=pf["num_warps"], num_stages=pf["num_stages"]),
             interpret=interpret, name="gdn_prefill_fused",
         )(lengths, offsets, q, k, v, g, beta, *((initial_state,) if has_init else ()))
+        return o, st
     ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
     pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps))
     nc = pl.cdiv(seq_len, CHUNK)
