@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ablation_harness_on_the_tiny_model(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.ablate", "--out", str(out), "--preset", "tiny",
-           "--configs", "full", "sync_tick", "sampling_ref", "pool_0.75x", "--streams", "2", "--warmup", "1",
+           "--configs", "full", "sync_tick", "pool_0.75x", "--streams", "2", "--warmup", "1",
            "--max-new-tokens", "8", "--ref-seconds", "0.5", "1", "--trace-s", "2", "--trace-delay-s", "0",
            "--compilation-cache", str(tmp_path / "xla"),
            "--engine", "prefill_chunk=64", "prefill_batch_sizes=1,2", "prefill_packed_rows=256", "max_reference_frames=224"]
@@ -24,7 +24,7 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
     result = json.loads((out / "ablate.json").read_text())
     table = (out / "ablate.md").read_text()
     rows = {r["name"]: r for r in result["rows"]}
-    assert list(rows) == ["full", "sync_tick", "sampling_ref", "pool_0.75x", "full_profiled"]  # profiled run last
+    assert list(rows) == ["full", "sync_tick", "pool_0.75x", "full_profiled"]  # profiled run last
     assert result["command"].startswith("python experiments/ablate.py --out $OUT --preset tiny")
     for name, r in rows.items():
         assert r["status"] == "ok", r
@@ -32,10 +32,9 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
         assert s["audio_s_per_s"] > 0 and s["ok"] == s["requests"] == 2 and s["broken"] == 0 and not s["failures"]
         assert r["engine_config"]["prefill_chunk"] == 64 and r["compile_s"] > 0
         assert f"| {name} |" in table
-    full, sync, sampling = (rows[n]["engine_config"] for n in ("full", "sync_tick", "sampling_ref"))
+    full, sync = (rows[n]["engine_config"] for n in ("full", "sync_tick"))
     assert (full["pipeline_depth"], sync["pipeline_depth"]) == (1, 0)
-    assert (full["backends"]["sampling"], sampling["backends"]["sampling"]) == ("auto", "reference")
-    assert rows["sampling_ref"]["change"] == "backends.sampling: auto -> reference"
+    assert rows["sync_tick"]["change"] == "pipeline_depth: 1 -> 0"
     # a pool smaller than the concurrency: one slot for two streams, the second request queues and is still served
     assert (full["max_streams"], rows["pool_0.75x"]["engine_config"]["max_streams"]) == (2, 1)
     assert table.strip() in proc.stdout  # the table is printed last
