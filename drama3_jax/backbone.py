@@ -207,10 +207,10 @@ class GatedDeltaNet(nnx.Module):
                     y, conv_state = causal_conv1d(mixed, conv_w, conv_state, new_lengths)
                     rows = {}
                 else:  # the conv and the recurrence address each prompt's packed rows in place
-                    y, conv_state = causal_conv1d_packed(mixed[0], conv_w, conv_state, packing.pack,
-                                                         packing.offsets, new_lengths, packing.seq_len)
-                    y = y[None]
                     rows = dict(offsets=packing.offsets, seq_len=packing.seq_len)
+                    y, conv_state = causal_conv1d_packed(mixed[0], conv_w, conv_state, packing.pack,
+                                                         rows["offsets"], new_lengths, packing.seq_len)
+                    y = y[None]
                 q = y[..., :kd].reshape(B, T, hk, dk)
                 k = y[..., kd:2 * kd].reshape(B, T, hk, dk)
                 v = y[..., 2 * kd:].reshape(B, T, hv, dv)

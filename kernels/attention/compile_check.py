@@ -34,7 +34,7 @@ def lower_ttir(B: int = 128, kernel: str = "decode", **tuning) -> tuple[str, int
         fn = functools.partial(PT.prefill_attention_triton, scale=D ** -0.5, **tuning)
         ttir = capture_ttir(fn, sd((B, T, HQ, D), bf), sd((B, T, HKV, D), bf), sd((B, T, HKV, D), bf),
                             sd((B, T), i32), sd((B,), i32))
-        p = {**PT.PREFILL_TUNING, **tuning}
+        p = PT._params(tuning, PT.PREFILL_TUNING)
     else:
         fn = functools.partial(PT.decode_attention_triton, scale=D ** -0.5, **tuning)
         ttir = capture_ttir(fn, sd((B, HQ, D), bf), sd((B, L, HKV, D), bf), sd((B, L, HKV, D), bf), sd((B,), i32))

@@ -36,8 +36,9 @@ TUNING = {"block_k": 64, "num_splits": None, "num_warps": 4, "num_stages": 2, "t
           "max_splits": 16}
 
 
-def _params(overrides: dict) -> dict:
-    p = dict(TUNING)
+def _params(overrides: dict, table: dict | None = None) -> dict:
+    """`table` (default TUNING) with the overrides that are not None."""
+    p = dict(TUNING if table is None else table)
     p.update({k: v for k, v in overrides.items() if v is not None})
     return p
 
@@ -181,8 +182,7 @@ def prefill_attention_triton(q, k, v, q_pos, kv_len, *, scale: float, block_q: i
     j of sequence b is visible to query i iff j <= q_pos[b, i] and j < kv_len[b] (the reference's rule); a query
     with no visible key gives zeros. Each query block walks the key blocks up to its last row's position only.
     Returns [B, Tq, Hq, D] in q.dtype."""
-    p = {**PREFILL_TUNING, **{k_: v_ for k_, v_ in dict(block_q=block_q, block_k=block_k, num_warps=num_warps,
-                                                        num_stages=num_stages).items() if v_ is not None}}
+    p = _params(dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages), PREFILL_TUNING)
     B, Tq, Hq, D = q.shape
     Tk, Hkv = k.shape[1], k.shape[2]
     assert k.shape == v.shape and k.shape[0] >= B and k.shape[3] == D and Hq % Hkv == 0 and D == _next_pow2(D)
