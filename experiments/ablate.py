@@ -115,8 +115,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                     "decode: a scan of 4 frame steps in one executable)",
                     lambda c: dataclasses.replace(c, frames_per_step=4)),
     "attention_ref": ("attention kernel -> jnp reference", _backends(attention="reference")),
-    "flash_prefill": ("prefill attention XLA (scores in HBM) -> the flash prefill kernel (a candidate)",
-                      _backends(attention="pallas_triton_flash")),
+    "xla_prefill_attention": ("flash prefill attention kernel -> XLA's attention (scores in HBM) for Tq > 1",
+                              _backends(attention="pallas_triton_decode")),
     "moe_ref": ("Pallas MoE -> jnp reference (gathers expert weights per token)", _backends(moe="reference")),
 }
 

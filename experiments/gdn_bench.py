@@ -63,10 +63,7 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     # the inverse's forward substitution is a chain of reductions over 16 x 16 blocks: within one
                     # warp they need no shared-memory round trip
                     "triton_inv1": {"inv_num_warps": 1}, "triton_inv2": {"inv_num_warps": 2},
-                    "triton_wu4": {"wu_num_warps": 4},
-                    # one launch (`fused`): each chunk's inverse and operands built on chip, then the state pass
-                    "triton_fused": {"fused": True}, "triton_fused_bv32": {"fused": True, "bv": 32},
-                    "triton_fused_bv128": {"fused": True, "bv": 128}}
+                    "triton_wu4": {"wu_num_warps": 4}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}

@@ -13,7 +13,8 @@ one warm-up call, a new batch of prompts each call. Variants:
   packed    the engine's packed prefill (Prefiller.packed): up to B prompts of at most --chunk rows end to end in one
             call of the smallest of the engine's packed row counts that holds the first call's prompts (fewer
             prompts in a later call when they would not fit it)
-  packed_flash  packed, with the flash prefill attention kernel (attention backend "pallas_triton_flash")
+  packed_xla_attention  packed, with XLA's attention for the prompt rows instead of the flash prefill kernel
+            (attention backend "pallas_triton_decode")
 The roofline of a call is the larger of (every weight read once) / 4.2 TB/s and (2 x active parameters x valid
 rows) / 780 TFLOP/s; attention and the GDN recurrence are not counted. With --profile-calls N > 0, N more calls
 run under the profiler: GPU kernel time per call by category (the decode profile's name scopes:
@@ -55,7 +56,7 @@ HBM_BYTES_PER_S, FLOPS_PER_S = 4.2e12, 780e12
 def variants(cfg) -> dict[str, Backends]:
     base = dataclasses.replace(Backends.auto(), moe_activations=default_moe_activations(cfg))
     return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False), "packed": base,
-            "packed_flash": dataclasses.replace(base, attention="pallas_triton_flash")}
+            "packed_xla_attention": dataclasses.replace(base, attention="pallas_triton_decode")}
 
 
 def packed_call(lengths: np.ndarray, start: int, batch: int, max_rows: int, max_lanes: int) -> np.ndarray:
@@ -194,7 +195,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--variants", nargs="+", default=["default", "no_skip", "packed"],
-                    choices=["default", "no_skip", "packed", "packed_flash"])
+                    choices=["default", "no_skip", "packed", "packed_xla_attention"])
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--lane-rows", type=int, nargs="+", default=[EngineConfig.prefill_lane_rows],
                     help="packed variant: one row per value of the engine's prefill_lane_rows (lanes = rows // it)")

@@ -212,7 +212,7 @@ def test_packed_prefill_equals_the_batched_prefill(model, tok):
 
 
 def test_packed_prefill_with_the_flash_attention_kernel(model, tok, monkeypatch):
-    """The packed prefill with attention backend "pallas_triton_flash" (its Pallas kernels in interpret mode: the
+    """The packed prefill with attention backend "pallas_triton" (its Pallas kernels in interpret mode: the
     backbone's and the tower's attention over each prompt's lanes) gives the reference backend's caches and last
     hidden; the other ops stay on the reference."""
     import functools
@@ -220,17 +220,17 @@ def test_packed_prefill_with_the_flash_attention_kernel(model, tok, monkeypatch)
     import jax
 
     from kernels.attention import api
-    monkeypatch.setitem(api.BACKENDS, "pallas_triton_flash",
-                        functools.partial(api.BACKENDS["pallas_triton_flash"], interpret=True))
+    monkeypatch.setitem(api.BACKENDS, "pallas_triton",
+                        functools.partial(api.BACKENDS["pallas_triton"], interpret=True))
     cfg = model.cfg
     prompts = [build_prompt(tok, cfg, "One small step."), build_prompt(tok, cfg, "<|speaker:1|> Hi there.")]
     params, seeds = [SamplingParams(1.0, 0.9, 30)] * 2, [5, 6]
     runs = {}
-    for name in ("reference", "pallas_triton_flash"):
+    for name in ("reference", "pallas_triton"):
         prefill = Prefiller(model, max_len=128, chunk=64, backends=Backends(attention=name))
         n = sum(len(p) for p in prompts)
         runs[name] = prefill.packed(prompts, RequestSampling.make(params, seeds), num_rows=n + 6, num_seqs=2)
-    got, want = runs["pallas_triton_flash"], runs["reference"]
+    got, want = runs["pallas_triton"], runs["reference"]
     lens = np.array([len(p) for p in prompts])[:, None]
     for a, b in zip(jax.tree.leaves(got.cache), jax.tree.leaves(want.cache)):
         a, b = np.asarray(a), np.asarray(b)

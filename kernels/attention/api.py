@@ -2,13 +2,14 @@
 
 Backends:
   "reference"      plain jnp (kernels/attention/reference.py): reads the whole cache, masks by position. The truth.
-  "pallas_triton"  one query per sequence (Tq == 1, decode): the length-aware flash-decoding kernel
-                   (kernels/attention/pallas_triton.py), which reads only the visible cache rows. The kernel's key
-                   count is min(kv_len, q_pos + 1) clamped into [0, Tk]: exactly the reference's mask (key j visible
-                   iff j <= q_pos and j < kv_len) for a single query. Tq > 1 (prefill) runs the reference.
-  "pallas_triton_flash"  as "pallas_triton" for Tq == 1; Tq > 1 runs the flash prefill kernel
-                   (`prefill_attention_triton`: no scores in HBM, each query block walks the keys up to its position).
-                   Not yet the default: unmeasured on the H200.
+  "pallas_triton"  Pallas GPU kernels (kernels/attention/pallas_triton.py). One query per sequence (Tq == 1,
+                   decode): the length-aware flash-decoding kernel, which reads only the visible cache rows; its key
+                   count is min(kv_len, q_pos + 1) clamped into [0, Tk], exactly the reference's mask (key j visible
+                   iff j <= q_pos and j < kv_len) for a single query. Tq > 1 (prefill): the flash prefill kernel
+                   (`prefill_attention_triton`: no scores in HBM, each query block walks the keys up to its rows'
+                   last position).
+  "pallas_triton_decode"  the decode kernel for Tq == 1, the reference (XLA, scores in HBM) for Tq > 1: the
+                   ablation of the flash prefill kernel.
   "auto"           "pallas_triton" when JAX's default backend is a GPU, else "reference".
 
 Extra keyword arguments (`**backend_kwargs`) go to the kernel, e.g. `interpret=True` (Pallas interpret mode, for CPU
@@ -25,7 +26,7 @@ from kernels.attention.reference import attention_reference
 from kernels.dispatch import pick_backend
 
 
-def _attention_triton(q, k, v, q_pos, kv_len, *, scale: float, **kernel_kwargs):
+def _attention_triton_decode(q, k, v, q_pos, kv_len, *, scale: float, **kernel_kwargs):
     if q.shape[1] != 1:
         return _reference(q, k, v, q_pos, kv_len, scale=scale)
     n = jnp.minimum(kv_len.astype(jnp.int32), q_pos[:, 0].astype(jnp.int32) + 1)
@@ -37,13 +38,14 @@ def _reference(q, k, v, q_pos, kv_len, *, scale: float, **_):
     return attention_reference(q, k[:B], v[:B], q_pos, kv_len, scale=scale)
 
 
-def _attention_triton_flash(q, k, v, q_pos, kv_len, *, scale: float, **kernel_kwargs):
+def _attention_triton(q, k, v, q_pos, kv_len, *, scale: float, **kernel_kwargs):
     if q.shape[1] == 1:
-        return _attention_triton(q, k, v, q_pos, kv_len, scale=scale, **kernel_kwargs)
+        return _attention_triton_decode(q, k, v, q_pos, kv_len, scale=scale, **kernel_kwargs)
     return prefill_attention_triton(q, k, v, q_pos, kv_len, scale=scale, **kernel_kwargs)
 
 
-BACKENDS = {"reference": _reference, "pallas_triton": _attention_triton, "pallas_triton_flash": _attention_triton_flash}
+BACKENDS = {"reference": _reference, "pallas_triton": _attention_triton,
+            "pallas_triton_decode": _attention_triton_decode}
 
 
 def attention(q, k, v, q_pos, kv_len, *, scale: float, backend: str = "reference", **backend_kwargs):

@@ -30,9 +30,8 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
        v_new = u - w S;  o = (q e^g) S + Aqk v_new;  S <- e^{g_last} S + (k e^{g_last - g})^T v_new.
   Algorithm as in FLA `chunk_gated_delta_rule` (chunk_scaled_dot_kkt + solve_tril + recompute_w_u, then
   chunk_delta_h fused with chunk_o so the per-chunk states are never stored).
-  With `fused=True` (TUNING["prefill"], off by default until timed) one launch does all three per (sequence, value
-  head, D_v slice): `_fused_kernel` walks the chunks, inverts each chunk's A in its own [64, 64] scratch (L2) and
-  keeps the operands in registers; only o and the final state go to HBM.
+  (A one-launch variant that inverted each chunk's A in the state pass's own program lost at every shape on the
+  H200, 1.5-4x slower: results/prefill_gdn_2026-12-02b/, code in commit c56b007.)
 
 H200 measurements and their analysis: experiments/results/gdn_summary.md.
 
@@ -79,13 +78,7 @@ TUNING = {
     "prefill_prep": {"inv_num_warps": 1, "wu_num_warps": 8, "num_stages": 1},
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
                       "num_stages": 2, "static_loop": True},
-    "prefill": {"dot": "bfloat16", "fused": False},
-    # `fused`: one launch per (sequence, value head, bv slice) that walks the chunks with the inverse in its own L2
-    # scratch and the operands in registers (`_fused_kernel`); not yet timed on the H200. Compiled for sm_90a (pip
-    # Triton, 2026-12-02) at the engine's packed shape: 255 registers, 816 bytes of spills per thread at bv 64 / 8
-    # warps (bv 32: 600; 4 warps: 1.5 KB); the default path's inverse kernel (1 warp) spills 848, its w/u and state
-    # kernels none
-    "prefill_fused": {"bv": 64, "num_warps": 8, "num_stages": 1},
+    "prefill": {"dot": "bfloat16"},
 }
 CHUNK = 64     # rows per chunk (prefill)
 SUB = 16       # rows per sub-block of the triangular inverse
@@ -487,63 +480,13 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
     st_ref[bi, h, :, cols] = S
 
 
-def _fused_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, *rest, rep, dk, bv, scale, dot, has_init,
-                  barrier):
-    """Per (sequence, value head, D_v slice), the whole chunked prefill in one walk over the live chunks: per chunk
-    the math of `_inv_kernel` (A parked in this program's own [64, 64] scratch, which L2 holds, and inverted there),
-    of `_wu_kernel` (w, u, q e^gc, k e^(gl - gc), Aqk, in registers) and of `_state_kernel`, with the same operands
-    and casts; only o and the final state reach HBM."""
-    if has_init:
-        s0_ref, o_ref, st_ref, x_ref = rest
-    else:
-        o_ref, st_ref, x_ref = rest
-    bi, h, jv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kh = h // rep
-    L = len_ref[bi]
-    off = off_ref[bi]
-    cols = pl.ds(jv * bv, bv)
-    cr = jnp.arange(CHUNK, dtype=jnp.int32)
-    strict, incl = cr[:, None] > cr[None, :], cr[:, None] >= cr[None, :]
-    S = s0_ref[bi, h, :, cols].astype(f32) if has_init else jnp.zeros((dk, bv), f32)
-
-    def body(c, S):
-        t0 = c * CHUNK
-        valid = (t0 + cr) < L
-        src = pl.ds(off + t0, CHUNK)
-        k = _l2n(_masked_load(k_ref.at[src, kh, :], valid[:, None], (CHUNK, dk)))
-        be = _masked_load(beta_ref.at[src, h], valid, (CHUNK,))
-        gc = jnp.cumsum(_masked_load(g_ref.at[src, h], valid, (CHUNK,)))
-        gl = jnp.sum(jnp.where(cr == CHUNK - 1, gc, 0.0))
-        if barrier:
-            plt.debug_barrier()  # the previous chunk's X read by every thread before A overwrites it
-        dg = jnp.where(strict, gc[:, None] - gc[None, :], 0.0)
-        x_ref[bi, h, jv, :, :] = jnp.where(strict, be[:, None] * _dot_nt(k, k, dot) * jnp.exp(dg), 0.0)
-        _invert_parked(x_ref, (bi, h, jv), 0, barrier)
-        if barrier:
-            plt.debug_barrier()  # X written before it is read whole
-        X = x_ref[bi, h, jv, :, :]
-        v = _masked_load(v_ref.at[src, h, cols], valid[:, None], (CHUNK, bv))
-        w = _dot(X, k * (be * jnp.exp(gc))[:, None], dot)
-        v_new = _dot(X, v * be[:, None], dot) - _dot(w, S, dot)
-        q = _l2n(_masked_load(q_ref.at[src, kh, :], valid[:, None], (CHUNK, dk))) * scale
-        di = jnp.where(incl, gc[:, None] - gc[None, :], 0.0)
-        aqk = jnp.where(incl, _dot_nt(q, k, dot) * jnp.exp(di), 0.0)
-        o = _dot(q * jnp.exp(gc)[:, None], S, dot) + _dot(aqk, v_new, dot)
-        plt.store(o_ref.at[src, h, cols], o, mask=jnp.broadcast_to(valid[:, None], (CHUNK, bv)))
-        return jnp.exp(gl) * S + _dot(k * jnp.exp(gl - gc)[:, None], v_new, dot, trans_a=True)
-
-    S = jax.lax.fori_loop(0, (L + CHUNK - 1) // CHUNK, body, S)
-    st_ref[bi, h, :, cols] = S
-
-
 def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool = False, *,
-                   dot=None, fused=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
+                   dot=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
                    inv_num_warps=None, wu_num_warps=None):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
-    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len). Three launches, or with `fused` one
-    (`_fused_kernel`). Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v]
-    fp32). Tuning overrides: see TUNING ("prefill", "prefill_state" or "prefill_fused", "prefill_prep")."""
-    pd = _params("prefill", dict(dot=dot, fused=fused))
+    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches. Returns (o [N, H_v, D_v] fp32,
+    written on those rows only; final_state [B, H_v, D_k, D_v] fp32). Tuning overrides: see TUNING ("prefill", "prefill_state", "prefill_prep")."""
+    pd = _params("prefill", dict(dot=dot))
     dot = pd["dot"]
     N, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
@@ -554,19 +497,6 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     offsets = offsets.astype(jnp.int32)
     has_init = initial_state is not None
     out_shape = (jax.ShapeDtypeStruct((N, hv, dv), f32), jax.ShapeDtypeStruct((B, hv, dk, dv), f32))
-    if pd["fused"]:
-        pf = _params("prefill_fused", dict(bv=bv, num_warps=num_warps, num_stages=num_stages))
-        bv_ = min(pf["bv"], dv)
-        assert dv % bv_ == 0
-        o, st, _ = pl.pallas_call(
-            functools.partial(_fused_kernel, rep=rep, dk=dk, bv=bv_, scale=dk ** -0.5, dot=dot, has_init=has_init,
-                              barrier=not interpret),
-            out_shape=out_shape + (jax.ShapeDtypeStruct((B, hv, dv // bv_, CHUNK, CHUNK), f32),),  # the scratch
-            grid=(B, hv, dv // bv_),
-            compiler_params=plt.CompilerParams(num_warps=pf["num_warps"], num_stages=pf["num_stages"]),
-            interpret=interpret, name="gdn_prefill_fused",
-        )(lengths, offsets, q, k, v, g, beta, *((initial_state,) if has_init else ()))
-        return o, st
     ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
     pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps))
     nc = pl.cdiv(seq_len, CHUNK)
@@ -612,7 +542,7 @@ def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengt
 
     q, k [B, T, H_k, D_k]; v [B, T, H_v, D_v]; g (log decay), beta [B, T, H_v]; initial_state [B, H_v, D_k, D_v]
     (fp32 or bf16); lengths [B] (None: all T). Positions >= lengths[b] give zero output and leave the state alone.
-    `tuning`: overrides of TUNING's prefill entries (`dot`, `fused`, `bv`, `num_warps`, ...; see `_chunk_prefill`)."""
+    `tuning`: overrides of TUNING's prefill entries (`dot`, `bv`, `num_warps`, ...; see `_chunk_prefill`)."""
     B, T = q.shape[:2]
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.minimum(lengths.astype(jnp.int32), T)
     rows = lambda x: x.reshape((B * T,) + x.shape[2:])

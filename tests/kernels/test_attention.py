@@ -156,22 +156,22 @@ def test_prefill_kernel_vs_reference(dtype, Hq, Hkv, D, block_q, block_k):
 
 
 def test_prefill_kernel_drama3_heads_through_the_api():
-    """Hq 16, Hkv 2, D 256, the default tuning, via backend "pallas_triton_flash" (Tq > 1); Tq == 1 on that backend
-    is the decode kernel."""
+    """Hq 16, Hkv 2, D 256, the default tuning, via backend "pallas_triton" (Tq > 1); Tq == 1 on that backend is
+    the decode kernel, as on "pallas_triton_decode"."""
     lengths = [96, 65]
     q, k, v, n, k0, v0 = prefill_case(13, 2, 96, 2, 96, 16, 2, 256, lengths, f32)
     q_pos = jnp.broadcast_to(jnp.arange(96, dtype=jnp.int32), (2, 96))
-    run = jax.jit(functools.partial(api.attention, scale=1 / 16, backend="pallas_triton_flash", interpret=True))
+    run = jax.jit(functools.partial(api.attention, scale=1 / 16, backend="pallas_triton", interpret=True))
     check(run(q, k0, v0, q_pos, n), _ref(q, k0, v0, q_pos, n, scale=1 / 16), n, f32)
     qd, qpd = q[:, :1], (n - 1)[:, None]
     np.testing.assert_array_equal(np.asarray(run(qd, k0, v0, qpd, n)), np.asarray(jax.jit(functools.partial(
-        api.attention, scale=1 / 16, backend="pallas_triton", interpret=True))(qd, k0, v0, qpd, n)))
+        api.attention, scale=1 / 16, backend="pallas_triton_decode", interpret=True))(qd, k0, v0, qpd, n)))
 
 
 # ------------------------------------------------------------------------------------------------ api / lowering
 def test_api_decode_and_fallback():
     """Tq == 1 through the kernel equals the reference, also where kv_len and q_pos + 1 differ (the smaller wins, as
-    in the reference's mask); Tq > 1 falls back to the reference exactly."""
+    in the reference's mask); on "pallas_triton_decode" Tq > 1 falls back to the reference exactly."""
     B, L, Hq, Hkv, D = 4, 40, 4, 2, 16
     ks = jax.random.split(jax.random.PRNGKey(3), 3)
     q = jax.random.normal(ks[0], (B, 3, Hq, D), f32)
@@ -187,7 +187,8 @@ def test_api_decode_and_fallback():
     np.testing.assert_allclose(np.asarray(o_k), np.asarray(o_r), rtol=1e-5, atol=1e-5)
     assert (np.asarray(o_k[1]) == 0).all()
     q_pos3 = jnp.array([[14, 15, 16], [0, 1, 2], [37, 38, 39], [6, 7, 8]], jnp.int32)
-    np.testing.assert_array_equal(np.asarray(run("pallas_triton", q, q_pos3)), np.asarray(run("reference", q, q_pos3)))
+    np.testing.assert_array_equal(np.asarray(run("pallas_triton_decode", q, q_pos3)),
+                                  np.asarray(run("reference", q, q_pos3)))
 
 
 def test_dispatch():
@@ -213,7 +214,7 @@ def test_triton_lowering_full_shapes_for_h200():
                              sd((B, 1), jnp.int32), sd((B,), jnp.int32))
         assert txt.count("__gpu$xla.gpu.triton") == 1
     P, T = 8, 512  # the prefill kernel at a packed call's lanes
-    fn = functools.partial(api.attention, scale=D ** -0.5, backend="pallas_triton_flash")
+    fn = functools.partial(api.attention, scale=D ** -0.5, backend="pallas_triton")
     txt = lower_for_h200(fn, sd((P, T, Hq, D), bf16), sd((P, T, Hkv, D), bf16), sd((P, T, Hkv, D), bf16),
                          sd((P, T), jnp.int32), sd((P,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 1

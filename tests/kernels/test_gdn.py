@@ -88,10 +88,10 @@ def decode_inputs(seed, slots_total, B, hk, hv, dk, dv, K=4, state_dtype=f32, x_
 
 
 # ------------------------------------------------------------------------------------------------ prefill
-@pytest.mark.parametrize("variant", ["dynamic", "static", "fused"])
+@pytest.mark.parametrize("variant", ["dynamic", "static"])
 def test_prefill_ragged_matches_recurrence(variant):
     """Lengths 1, 63, 64, 65, 300 in one right-padded batch, initial state carried in, NaN garbage past lengths;
-    the three-launch path with a dynamic or a static chunk loop, and the one-launch fused kernel."""
+    the kernels with a dynamic or a static chunk loop in the state pass."""
     B, T, hk, hv, dk, dv = 5, 300, 1, 2, 32, 32
     if variant == "static":  # the static trip-count variant is slower to interpret: a shorter batch
         T, lengths = 130, jnp.array([1, 63, 64, 65, 130], jnp.int32)
@@ -99,7 +99,7 @@ def test_prefill_ragged_matches_recurrence(variant):
         lengths = jnp.array([1, 63, 64, 65, 300], jnp.int32)
     q, k, v, g, beta, s0 = prefill_inputs(0, B, T, hk, hv, dk, dv)
     o, st = kernel_prefill(*(nan_pad(x, lengths) for x in (q, k, v, g, beta)), s0, lengths, dot="float32", bv=16,
-                           static_loop=variant == "static", fused=variant == "fused")
+                           static_loop=variant == "static")
     o_ref, st_ref = ref_recurrent(q, k, v, g, beta, s0, lengths)
     assert o.shape == (B, T, hv, dv) and o.dtype == f32 and st.shape == (B, hv, dk, dv) and st.dtype == f32
     assert not bool(jnp.isnan(o).any()) and not bool(jnp.isnan(st).any())
@@ -111,8 +111,7 @@ def test_prefill_ragged_matches_recurrence(variant):
         assert rel(st[i], st_ref[i]) <= 2e-5, i
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_prefill_packed_reads_each_sequence_in_place(fused):
+def test_prefill_packed_reads_each_sequence_in_place():
     """Sequences of 65, 1, 64 and 63 rows packed end to end, NaN garbage in the padding rows, an empty lane, one
     initial state per lane: each sequence's rows and final state equal the recurrence alone; rows outside are 0."""
     hk, hv, dk, dv, T, N = 1, 2, 32, 32, 65, 220
@@ -123,7 +122,7 @@ def test_prefill_packed_reads_each_sequence_in_place(fused):
     s0 = prefill_inputs(10, len(lengths), 1, hk, hv, dk, dv)[5]
     used = int(lengths.sum())
     garbage = lambda x: x.at[:, used:].set(jnp.nan)
-    run = _jitted("packed", (("dot", "float32"), ("fused", fused), ("seq_len", T)))
+    run = _jitted("packed", (("dot", "float32"), ("seq_len", T)))
     o, st = run(*map(garbage, (q, k, v, g, beta)), s0, jnp.asarray(lengths), jnp.asarray(offsets))
     assert o.shape == (1, N, hv, dv) and st.shape == (len(lengths), hv, dk, dv)
     assert not bool(jnp.isnan(o).any()) and not bool((o[0, used:] != 0).any())
@@ -327,10 +326,6 @@ def test_triton_lowering_full_shapes_for_h200():
             q, k, v, g, be, s0, ln, dot=dot), sd((B, T, hk, d), bf), sd((B, T, hk, d), bf), sd((B, T, hv, d), bf),
             sd((B, T, hv), f32), sd((B, T, hv), f32), sd((B, hv, d, d), f32), sd((B,), jnp.int32))
         assert txt.count("__gpu$xla.gpu.triton") == 3  # inverse, w/u operands, state pass
-    txt = lower_for_h200(lambda q, k, v, g, be, s0, ln: pallas_triton.gated_delta_chunk_prefill_triton(
-        q, k, v, g, be, s0, ln, fused=True), sd((B, T, hk, d), bf), sd((B, T, hk, d), bf), sd((B, T, hv, d), bf),
-        sd((B, T, hv), f32), sd((B, T, hv), f32), sd((B, hv, d, d), f32), sd((B,), jnp.int32))
-    assert txt.count("__gpu$xla.gpu.triton") == 1  # the fused kernel: one launch
     N = 2 * T  # packed: B sequences of at most T rows in 2T rows, read in place
     txt = lower_for_h200(lambda q, k, v, g, be, s0, ln, off: pallas_triton.gated_delta_packed_prefill_triton(
         q, k, v, g, be, s0, off, ln, seq_len=T), sd((1, N, hk, d), f32), sd((1, N, hk, d), f32),
