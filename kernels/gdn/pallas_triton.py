@@ -31,7 +31,7 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
   Algorithm as in FLA `chunk_gated_delta_rule` (chunk_scaled_dot_kkt + solve_tril + recompute_w_u, then
   chunk_delta_h fused with chunk_o so the per-chunk states are never stored).
   (A one-launch variant that inverted each chunk's A in the state pass's own program lost at every shape on the
-  H200, 1.5-4x slower: results/prefill_gdn_2026-12-02b/, code in commit c56b007.)
+  H200, 1.5-5x slower: results/prefill_gdn_2026-12-02b/, code in commit c56b007.)
 
 H200 measurements and their analysis: experiments/results/gdn_summary.md.
 
@@ -485,7 +485,8 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
                    inv_num_warps=None, wu_num_warps=None):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
     offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches. Returns (o [N, H_v, D_v] fp32,
-    written on those rows only; final_state [B, H_v, D_k, D_v] fp32). Tuning overrides: see TUNING ("prefill", "prefill_state", "prefill_prep")."""
+    written on those rows only; final_state [B, H_v, D_k, D_v] fp32). Tuning overrides: see TUNING ("prefill",
+    "prefill_state", "prefill_prep")."""
     pd = _params("prefill", dict(dot=dot))
     dot = pd["dot"]
     N, hk, dk = q.shape
