@@ -1,4 +1,4 @@
-"""Engine-level checks in-process: a request's audio is the same alone and among 127 others, equals offline
+"""Engine-level checks in-process: a request's audio is the same alone and among 31 others, equals offline
 generation + one-shot codec decode, and long text streams chunk after chunk, pipelined (a step in flight while the host
 works, the default) or synchronous."""
 
@@ -20,11 +20,14 @@ from serving.launch import tiny_random_parts
 @pytest.fixture(scope="module")
 def engine():
     talker, tok, codec = tiny_random_parts(jnp.float32)
-    eng = Engine(talker, tok, codec, EngineConfig(max_streams=128, max_new_tokens=10, max_prompt_rows=512,
+    # 32 slots, decode steps of 8 and 32: the compiled shapes of the CPU suite's budget (every extra decode size or
+    # codec batch is ~30 s of compilation here); the reference encodes are not used, hence lazy
+    eng = Engine(talker, tok, codec, EngineConfig(max_streams=32, max_new_tokens=10, max_prompt_rows=512,
                                                   prefill_chunk=128, prefill_batch_sizes=(1, 8),
                                                   prefill_packed_rows=(1024,), prefill_lane_rows=128,
                                                   prefill_busy_streams=1000, codec_first_chunk=4, codec_chunk=8,
-                                                  compile_threads=4, decode_sizes=(8, 64)))
+                                                  codec_batch_sizes=(8,), compile_threads=2, decode_sizes=(8,),
+                                                  encode_warmup="lazy"))
     eng.start()
     yield eng
     eng.shutdown(5)
@@ -37,7 +40,7 @@ def sync_engine():
                                                   prefill_chunk=128, prefill_batch_sizes=(1,), prefill_packed_rows=(),
                                                   codec_first_chunk=4,
                                                   codec_chunk=8, codec_period=4, pipeline_depth=0,
-                                                  stall_warn_s=1e-9))  # every iteration counts as a stall
+                                                  encode_warmup="lazy", stall_warn_s=1e-9))  # every iteration counts as a stall
     eng.start()
     yield eng
     eng.shutdown(5)
@@ -61,18 +64,18 @@ def run(engine, texts, seeds, max_frames=10, forced=None):
     return audio, [np.concatenate([c for _, c in r.takes], axis=1) for r in reqs]
 
 
-def test_same_audio_alone_and_among_127_others(engine):
-    """Also: decode steps sized to the occupied slots (8 / 64 / 128 of the pool) give the same tokens as offline
+def test_same_audio_alone_and_among_31_others(engine):
+    """Also: decode steps sized to the occupied slots (8 / 32 of the pool) give the same tokens as offline
     generation, alone (8-slot steps) and in a crowd whose lower slots free up first."""
     target = "The one request we watch closely."
     (alone,), (alone_codes,) = run(engine, [target], [42])
     steps = lambda n: _sample_value(engine.metrics.step_slots, "_total", slots=str(n))  # noqa: E731
-    assert steps(8) > 0 and steps(64) == steps(128) == 0
-    texts = [f"Background request number {i}, saying something." for i in range(127)]
-    crowd, crowd_codes = run(engine, texts[:60] + [target] + texts[60:], list(range(60)) + [42] + list(range(60, 127)))
-    assert engine.active_count() == 0 and steps(128) > 0
-    np.testing.assert_array_equal(crowd_codes[60], alone_codes)  # the same tokens, bit for bit
-    np.testing.assert_allclose(crowd[60], alone, atol=1e-4)  # the codec ran in other batch shapes: float rounding
+    assert steps(8) > 0 and steps(32) == 0
+    texts = [f"Background request number {i}, saying something." for i in range(31)]
+    crowd, crowd_codes = run(engine, texts[:20] + [target] + texts[20:], list(range(20)) + [42] + list(range(20, 31)))
+    assert engine.active_count() == 0 and steps(32) > 0
+    np.testing.assert_array_equal(crowd_codes[20], alone_codes)  # the same tokens, bit for bit
+    np.testing.assert_allclose(crowd[20], alone, atol=1e-4)  # the codec ran in other batch shapes: float rounding
     # and it is exactly what offline generation + a one-shot codec decode give
     codes = generate(_talker(engine), engine.tok, target, seed=42, max_new_frames=10)
     np.testing.assert_array_equal(codes, alone_codes)
@@ -83,8 +86,8 @@ def test_same_audio_alone_and_among_127_others(engine):
 
 
 def test_streams_move_down_so_the_step_shrinks(engine):
-    """62 short streams in the low slots end first; the 8 long ones above them move into slots 0-7 (--decode-sizes 8
-    64 with slot compaction), the steps shrink to 8 slots, and the moved streams' tokens and audio are those they
+    """24 short streams in the low slots end first; the 8 long ones above them move into slots 0-7 (--decode-sizes 8
+    with slot compaction), the steps shrink to 8 slots, and the moved streams' tokens and audio are those they
     get alone."""
     long_texts = [f"A long request, number {i}, that outlives the others." for i in range(8)]
     seeds = list(range(100, 108))
@@ -92,19 +95,19 @@ def test_streams_move_down_so_the_step_shrinks(engine):
     moves = lambda: _sample_value(engine.metrics.slot_moves, "_total")  # noqa: E731
     steps = lambda n: _sample_value(engine.metrics.step_slots, "_total", slots=str(n))  # noqa: E731
     moves0, steps8 = moves(), steps(8)
-    short = [f"Short request {i}." for i in range(62)]
-    audio, codes = run(engine, short + long_texts, list(range(62)) + seeds, forced=[2] * 62 + [10] * 8)
+    short = [f"Short request {i}." for i in range(24)]
+    audio, codes = run(engine, short + long_texts, list(range(24)) + seeds, forced=[2] * 24 + [10] * 8)
     assert moves() > moves0 and steps(8) > steps8  # (some long ones may already start in freed low slots)
     for i, ((a_alone,), (c_alone,)) in enumerate(alone):
-        np.testing.assert_array_equal(codes[62 + i], c_alone)
-        np.testing.assert_allclose(audio[62 + i], a_alone, atol=1e-4)
-    assert all(c.shape[1] == 2 for c in codes[:62])
+        np.testing.assert_array_equal(codes[24 + i], c_alone)
+        np.testing.assert_allclose(audio[24 + i], a_alone, atol=1e-4)
+    assert all(c.shape[1] == 2 for c in codes[:24])
 
 
 def test_long_text_is_generated_chunk_by_chunk(engine):
     """The chunks of a long text follow each other in one stream, as offline generation does (the pipelined engine;
     the synchronous one shares the chunking code and is checked on one chunk below)."""
-    text = " ".join(f"Sentence {i} of a long paragraph that keeps going." for i in range(12))
+    text = " ".join(f"Sentence {i} of a long paragraph that keeps going." for i in range(7))
     assert len(split_long_text(text)) >= 2
     (audio,), (served,) = run(engine, [text], [7], max_frames=8)
     codes = generate(_talker(engine), engine.tok, text, seed=7, max_new_frames=8)

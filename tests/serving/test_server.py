@@ -272,7 +272,8 @@ def test_queue_full_gives_429(server):
 
     res = asyncio.run(main())
     codes = [r.status_code for r in res]
-    assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+    assert 429 in codes and set(codes) <= {200, 429}
+    assert codes.count(200) > 8  # more than the 8 slots: requests queued behind the running ones were served
     r429 = next(r for r in res if r.status_code == 429)
     assert r429.headers["retry-after"] and r429.json()["error"]["code"] == 429
 
