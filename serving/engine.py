@@ -66,9 +66,10 @@ class EngineConfig:
     max_new_tokens: int = 2048  # frame cap per chunk of text
     frames_per_step: int = 1  # decode frames per host round trip
     pipeline_depth: int = 1  # decode steps in flight while the host processes the previous one (0 or 1)
-    # warm-up compilations run at once. 1 by default: on the H200 a cold start with 6 threads was not faster than
-    # the serial one (experiments/results/full_size_h200.md, run B), since XLA's compiler already uses every core
-    compile_threads: int = 1
+    # warm-up compilations run at once. On the H200 (16 cores) a cold start of the full-size server compiled its 21
+    # shapes in 221.5 s with 4 threads at 256 slots against 409-419 s serially at 128 (experiments/results/
+    # serve_bench_14/); each shape takes ~1.5-2x longer under the contention, the whole ~half as long
+    compile_threads: int = 4
     # up to 8 prompts per prefill call: on the H200 at 128 streams, (1, 4, 8) against (1, 4): 134.3 vs 122.8 audio s/s,
     # TTFA p50 846 vs 1,074 ms, both 0 broken (experiments/results/ablate_128_f/): with a cap of 4 the admission rate,
     # not the slots, bounded the queue

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -66,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--encode-warmup", default="start", choices=["start", "background", "lazy"],
                     help="compile the reference-encode shapes before ready, after it in the background (slows "
                          "decoding while it runs), or on first use")
-    ap.add_argument("--compile-threads", type=int, default=1, help="start-up compilations run at once")
+    ap.add_argument("--compile-threads", type=int, default=4,
+                    help="start-up compilations run at once")
     ap.add_argument("--pipeline-depth", type=int, default=1, choices=[0, 1],
                     help="decode steps in flight while the host processes the previous one")
     ap.add_argument("--stall-warn-s", type=float, default=0.25,
@@ -87,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="routed experts with FP8 weights: FP8 activations quantised per token and 128 columns (fp8: "
                          "W8A8 on FP8 tensor cores), or bf16 activations (W8A16); auto: fp8 when the checkpoint's "
                          "quantization_config has activation_scheme 'dynamic', else bf16")
-    ap.add_argument("--compilation-cache", default=str(Path.home() / ".cache" / "drama3-jax" / "xla"),
-                    help="persistent XLA compilation cache directory ('' disables)")
+    ap.add_argument("--compilation-cache", default=os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(
+                    Path.home() / ".cache" / "drama3-jax" / "xla"),
+                    help="persistent XLA compilation cache directory ('' disables; default $JAX_COMPILATION_CACHE_DIR, "
+                         "else ~/.cache/drama3-jax/xla)")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain streams on SIGTERM")
     ap.add_argument("--log-level", default="info")
     return ap
@@ -131,7 +135,8 @@ def main(argv=None):
 
     if args.compilation_cache:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     import uvicorn
 
     from drama3_jax.backbone import Backends, default_moe_activations

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache for the run, shared by both xdist workers and the servers and CLIs the tests
+# start as subprocesses (they inherit the environment): the tiny model's prefill, decode and codec executables are
+# compiled once, not once per test that builds them (a cold CI run starts it empty)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
 import numpy as np
 import pytest

@@ -16,7 +16,7 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
     cmd = [sys.executable, "-m", "experiments.ablate", "--out", str(out), "--preset", "tiny",
            "--configs", "full", "sync_tick", "--streams", "2", "--warmup", "1",
            "--max-new-tokens", "8", "--ref-seconds", "0.5", "1", "--trace-s", "2", "--trace-delay-s", "0",
-           "--compilation-cache", str(tmp_path / "xla"),
+           "--compilation-cache", os.environ["JAX_COMPILATION_CACHE_DIR"],
            "--engine", "prefill_chunk=64", "prefill_batch_sizes=1,2", "prefill_packed_rows=256", "max_reference_frames=224"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                           timeout=600)
