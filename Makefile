@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test serve clean
+.PHONY: setup test test-all serve clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,7 +14,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# CI: everything but the `slow` tier (full-size codec parity, the experiment harnesses end to end)
 test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+
+test-all: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 serve: $(STAMP)

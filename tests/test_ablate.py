@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_ablation_harness_on_the_tiny_model(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.ablate", "--out", str(out), "--preset", "tiny",
@@ -46,8 +49,6 @@ def test_config_rows_compose():
     """'a+b' applies both rows' changes; 'full' and unknown names cannot be joined."""
     import argparse
     import dataclasses
-
-    import pytest
 
     from experiments.ablate import config_change, config_name
     from serving.engine import EngineConfig

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments import decode_profile
 
 
+@pytest.mark.slow
 def test_timing_and_profile_phases(tmp_path):
     common = ["--out", str(tmp_path), "--preset", "tiny", "--slots", "3", "--context", "16", "--max-len", "64"]
     decode_profile.main(common + ["--phase", "timing", "--variants", "pallas_bf16"])

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from experiments import prefill_timing
 from serving.engine import EngineConfig
 
 
+@pytest.mark.slow
 def test_prefill_timing_table(tmp_path):
     rc = prefill_timing.main(["--out", str(tmp_path), "--preset", "tiny", "--batch", "2", "--chunk", "512",
                               "--calls", "1", "--prompts", "3", "--max-len", "1030",
