@@ -6,9 +6,9 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent XLA compilation cache for the run, shared by both xdist workers and the servers and CLIs the tests
-# start as subprocesses (they inherit the environment): the tiny model's prefill, decode and codec executables are
-# compiled once, not once per test that builds them (a cold CI run starts it empty)
+# One XLA compilation cache inside the checkout, shared by both xdist workers and the servers and CLIs the tests start
+# (they inherit the environment), so no test writes to the user's ~/.cache. On a cold clean clone it did not shorten
+# the suite (23.9 vs 23.7 min: the tests compile few identical executables); it only speeds up repeated local runs
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
 
