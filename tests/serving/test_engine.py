@@ -40,7 +40,8 @@ def sync_engine():
                                                   prefill_chunk=128, prefill_batch_sizes=(1,), prefill_packed_rows=(),
                                                   codec_first_chunk=4,
                                                   codec_chunk=8, codec_period=4, pipeline_depth=0,
-                                                  encode_warmup="lazy", stall_warn_s=1e-9))  # every iteration counts as a stall
+                                                  encode_warmup="lazy",
+                                                  stall_warn_s=1e-9))  # every iteration counts as a stall
     eng.start()
     yield eng
     eng.shutdown(5)
