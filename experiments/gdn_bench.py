@@ -63,7 +63,19 @@ DECODE_VARIANTS = {"triton": {}, "heads": {"grid": "heads"},
                    "vmajor_bv32_w1": {"grid": "tiles", "v_major": True, "bv": 32, "num_warps": 1},
                    "vmajor_bv32_w2": {"grid": "tiles", "v_major": True, "bv": 32, "num_warps": 2},
                    "vmajor_bv64_w2": {"grid": "tiles", "v_major": True, "bv": 64, "num_warps": 2},
-                   "tiles_bv64_w2": {"grid": "tiles", "bv": 64, "num_warps": 2}}
+                   "tiles_bv64_w2": {"grid": "tiles", "bv": 64, "num_warps": 2},
+                   # "split": a prep launch per (stream, key head), then a streaming launch per state tile
+                   "split_bv64_w4": {"grid": "split", "bv": 64, "num_warps": 4},
+                   "split_bv32_w2": {"grid": "split", "bv": 32, "num_warps": 2},
+                   "split_bv32_w4": {"grid": "split", "bv": 32, "num_warps": 4},
+                   "split_bv128_w8": {"grid": "split", "bv": 128, "num_warps": 8},
+                   "split_vmajor_bv16_w1": {"grid": "split", "v_major": True, "bv": 16, "num_warps": 1},
+                   "split_vmajor_bv32_w1": {"grid": "split", "v_major": True, "bv": 32, "num_warps": 1},
+                   "split_vmajor_bv32_w2": {"grid": "split", "v_major": True, "bv": 32, "num_warps": 2},
+                   "split_vmajor_bv64_w2": {"grid": "split", "v_major": True, "bv": 64, "num_warps": 2},
+                   "split_vmajor_bv64_w4": {"grid": "split", "v_major": True, "bv": 64, "num_warps": 4},
+                   "split_vmajor_bv128_w4": {"grid": "split", "v_major": True, "bv": 128, "num_warps": 4},
+                   "split_vmajor_bv128_w8": {"grid": "split", "v_major": True, "bv": 128, "num_warps": 8}}
 PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_bv32": {"bv": 32},
                     "triton_inv8": {"inv_num_warps": 8},
                     # the inverse's forward substitution is a chain of reductions over 16 x 16 blocks: within one

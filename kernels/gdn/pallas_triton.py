@@ -67,6 +67,9 @@ TUNING = {
     # kernel writes the shifted conv state into a new pool when the batch is the whole pool; "xla": a separate XLA op
     # (11 us per layer at 128 slots in results/decode_profile_fused_2026-12-01/)
     "decode": {"grid": "tiles", "bv": 64, "num_warps": 4, "num_stages": 1, "conv_shift": "kernel"},
+    # grid "split": a prep launch per (stream, key head) (conv, norms, gates, conv shift in place), then a streaming
+    # launch per state tile (`_decode_prep_kernel`, `_decode_state_kernel`)
+    "decode_split": {"bv": 64, "num_warps": 4, "num_stages": 1, "prep_num_warps": 4},
     # grid "heads": one program per (stream, key head), conv shift in the kernel (`_decode_kernel`)
     "decode_heads": {"bv": 32, "num_warps": 4, "num_stages": 1, "prefetch": 1},
     # bf16 state pools: tiles are half the registers, so three can be in flight (H200, 2026-12-01, 128 streams:
@@ -237,6 +240,95 @@ def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
     o_ref[bi, h, pl.ds(j * bv, bv)] = sq + delta * jnp.sum(k * q)
 
 
+def _decode_prep_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref,
+                        qk_ref, kq_ref, v_ref, d_ref, beta_ref, conv_out_ref, *, hk, dk, dv, rep, ksize, barrier):
+    """grid="split", launch 1 of 2, grid (stream, key head): everything of the step but the state, once per key head.
+    Writes the normalised, scaled q and the normalised k ([B, 2, H_k, D_k] fp32), k . q ([B, H_k]), the conv'd v of the `rep` value
+    heads ([B, H_v, D_v] fp32), e^g and beta ([B, H_v] fp32), and shifts this program's conv channels in place (its
+    key head's q/k channels and its value heads' v channels: no other program touches them)."""
+    bi = pl.program_id(0)
+    kh = pl.program_id(1)
+    slot = slots_ref[bi]
+    kd = hk * dk
+    conv = functools.partial(_conv_silu, conv_ref, x_ref, w_ref, slot, bi, ksize=ksize)
+    q = _l2n(conv(kh * dk, dk)) * (dk ** -0.5)
+    k = _l2n(conv(kd + kh * dk, dk))
+    qk_ref[bi, 0, kh, :] = q
+    qk_ref[bi, 1, kh, :] = k
+    kq_ref[bi, kh] = jnp.sum(k * q)
+    heads = pl.ds(kh * rep, rep)
+    v_ref[bi, heads, :] = conv(2 * kd + kh * rep * dv, rep * dv).reshape(rep, dv)
+    g = -jnp.exp(alog_ref[heads].astype(f32)) * _softplus(a_ref[bi, heads].astype(f32) + dtb_ref[heads].astype(f32))
+    d_ref[bi, heads] = jnp.exp(g)
+    beta_ref[bi, heads] = jax.nn.sigmoid(b_ref[bi, heads].astype(f32))
+    # the in-place shift: every thread has read the old rows (barrier), re-read what moves, barrier, write (threads
+    # holding replicated copies of a channel must not overwrite rows another still reads; see _decode_kernel)
+    ranges = [(kh * dk, dk), (kd + kh * dk, dk), (2 * kd + kh * rep * dv, rep * dv)]
+    if barrier:
+        plt.debug_barrier()
+    moved = [[conv_ref[slot, i, pl.ds(off, n)] for i in range(1, ksize - 1)] + [x_ref[bi, pl.ds(off, n)]]
+             for off, n in ranges]
+    if barrier:
+        plt.debug_barrier()
+    for (off, n), rows in zip(ranges, moved):
+        for i, row in enumerate(rows):
+            conv_out_ref[slot, i, pl.ds(off, n)] = row.astype(x_ref.dtype).astype(conv_out_ref.dtype)
+
+
+def _decode_state_kernel(slots_ref, qk_ref, kq_ref, v_ref, d_ref, beta_ref, state_ref, o_ref, state_out_ref, *, dk,
+                         bv, rep, v_major):
+    """grid="split", launch 2 of 2, grid (stream, value head, D_v slice): the delta rule on one state tile, from the
+    prepared q, k, v and gates; a streaming kernel (tile in, tile out) with nothing else on its critical path."""
+    bi = pl.program_id(0)
+    h = pl.program_id(1)
+    j = pl.program_id(2)
+    slot = slots_ref[bi]
+    tile = (slot, h, pl.ds(j * bv, bv), slice(None)) if v_major else (slot, h, slice(None), pl.ds(j * bv, bv))
+    s = state_ref[tile].astype(f32)  # [bv, dk] if v_major else [dk, bv]
+    q = qk_ref[bi, 0, h // rep, :]
+    k = qk_ref[bi, 1, h // rep, :]
+    v = v_ref[bi, h, pl.ds(j * bv, bv)]
+    d = d_ref[bi, h]
+    beta = beta_ref[bi, h]
+    kd_axis = 1 if v_major else 0
+    kb, qb = (k[None, :], q[None, :]) if v_major else (k[:, None], q[:, None])
+    kv = jnp.sum(s * kb, axis=kd_axis)
+    sq = jnp.sum(s * qb, axis=kd_axis)
+    delta = beta * (v - d * kv)
+    s = d * s + kb * (delta[:, None] if v_major else delta[None, :])
+    state_out_ref[tile] = s.astype(state_out_ref.dtype)
+    o_ref[bi, h, pl.ds(j * bv, bv)] = d * sq + delta * kq_ref[bi, h // rep]
+
+
+def _decode_split(slots, mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *, hk, dk, dv, rep,
+                  bv, ksize, v_major, p, interpret):
+    """grid="split": `_decode_prep_kernel` then `_decode_state_kernel`; both pools updated in place."""
+    B = mixed_qkv.shape[0]
+    hv = hk * rep
+    qk, kq, v, d, beta, conv_state = pl.pallas_call(
+        functools.partial(_decode_prep_kernel, hk=hk, dk=dk, dv=dv, rep=rep, ksize=ksize, barrier=not interpret),
+        out_shape=(jax.ShapeDtypeStruct((B, 2, hk, dk), f32), jax.ShapeDtypeStruct((B, hk), f32),
+                   jax.ShapeDtypeStruct((B, hv, dv), f32),
+                   jax.ShapeDtypeStruct((B, hv), f32), jax.ShapeDtypeStruct((B, hv), f32),
+                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype)),
+        grid=(B, hk),
+        input_output_aliases={7: 5},
+        compiler_params=plt.CompilerParams(num_warps=p["prep_num_warps"], num_stages=1),
+        interpret=interpret,
+        name="gdn_decode_prep",
+    )(slots, mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state)
+    o, ssm_state = pl.pallas_call(
+        functools.partial(_decode_state_kernel, dk=dk, bv=bv, rep=rep, v_major=v_major),
+        out_shape=(jax.ShapeDtypeStruct((B, hv, dv), f32), jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)),
+        grid=(B, hv, dv // bv),
+        input_output_aliases={6: 1},
+        compiler_params=plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"]),
+        interpret=interpret,
+        name="gdn_decode_state",
+    )(slots, qk, kq, v, d, beta, ssm_state)
+    return o, conv_state, ssm_state
+
+
 def _shift_conv_state(conv_state, mixed_qkv, slots):
     """conv_state[slots] (all rows when None) <- its last K-2 rows followed by this step's input (the reference's
     cast); one fused XLA kernel."""
@@ -250,17 +342,20 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
                            num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, interpret: bool = False,
                            bv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                            prefetch: int | None = None, grid: str | None = None, v_major: bool | None = None,
-                           conv_shift: str | None = None):
+                           conv_shift: str | None = None, prep_num_warps: int | None = None):
     """Fused single-token GDN step on slot pools; same contract as `reference.gdn_decode_step`.
 
     The pools are updated in place (input_output_aliases); only the `slots` rows change. Donate conv_state and
     ssm_state at the enclosing jit to avoid a copy of the pool."""
     asked = {k: v for k, v in dict(bv=bv, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
-                                   grid=grid, v_major=v_major, conv_shift=conv_shift).items() if v is not None}
+                                   grid=grid, v_major=v_major, conv_shift=conv_shift,
+                                   prep_num_warps=prep_num_warps).items() if v is not None}
     p = _params("decode", asked)
     if p["grid"] == "heads":
         p = _params("decode_heads", (TUNING["decode_heads_bf16_state"] if ssm_state.dtype == jnp.bfloat16 else {})
                     | asked) | {"grid": "heads"}
+    elif p["grid"] == "split":
+        p = _params("decode_split", asked) | {"grid": "split"}
     B, C = mixed_qkv.shape
     hv = a.shape[-1]
     hk, dk, dv = num_k_heads, head_k_dim, head_v_dim
@@ -269,13 +364,17 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
     bv_ = min(p["bv"], dv)
     assert C == 2 * hk * dk + hv * dv and conv_state.shape[1:] == (ksize - 1, C)
     assert ssm_state.shape[1:] == ((hv, dv, dk) if p.get("v_major") else (hv, dk, dv)) and dv % bv_ == 0
-    assert not p.get("v_major") or p["grid"] == "tiles", "v_major needs the tiles grid"
+    assert not p.get("v_major") or p["grid"] in ("tiles", "split"), "v_major needs the tiles or split grid"
     given_slots = slots
     if slots is None:
         assert conv_state.shape[0] == B and ssm_state.shape[0] == B
         slots = jnp.arange(B, dtype=jnp.int32)
     slots = slots.astype(jnp.int32)
     params = plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"])
+    if p["grid"] == "split":
+        return _decode_split(slots, mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, hk=hk, dk=dk,
+                             dv=dv, rep=rep, bv=bv_, ksize=ksize, v_major=p.get("v_major", False), p=p,
+                             interpret=interpret)
     if p["grid"] == "tiles":
         # the whole pool in the batch: the kernel writes the shifted conv state into a new pool (one XLA op less per
         # layer); a pool prefix keeps the rows past it, so there the XLA shift updates the given rows in place

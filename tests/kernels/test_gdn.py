@@ -158,12 +158,13 @@ def test_prefill_bf16_dots_and_bf16_inputs():
 
 
 # ------------------------------------------------------------------------------------------------ decode
-@pytest.mark.parametrize("grid", ["heads", "tiles"])
+@pytest.mark.parametrize("grid", ["heads", "tiles", "split"])
 @pytest.mark.parametrize("state_dtype,dims", [(f32, (2, 4, 32, 32)), (jnp.bfloat16, (2, 4, 32, 32)),
                                               (f32, (1, 2, 128, 128))])
 def test_decode_step_matches_reference(state_dtype, dims, grid):
-    """Slots in the batch are updated like the reference; every other slot is left bit-for-bit untouched. Both
-    grids: a program per (stream, key head) with the conv shift in the kernel, or per state tile with it in XLA."""
+    """Slots in the batch are updated like the reference; every other slot is left bit-for-bit untouched. Each grid:
+    a program per (stream, key head) with the conv shift in the kernel, per state tile with it in XLA, or the split
+    pair (a prep launch per key head that shifts in place, then a launch per state tile)."""
     hk, hv, dk, dv = dims
     S, B = 6, 4
     slots = jnp.array([5, 0, 3, 2], jnp.int32)
@@ -183,15 +184,16 @@ def test_decode_step_matches_reference(state_dtype, dims, grid):
     assert rel(ssm1[slots], ssm[slots]) > 1e-3                   # the addressed slots really changed
 
 
+@pytest.mark.parametrize("grid", ["tiles", "split"])
 @pytest.mark.parametrize("state_dtype", [f32, jnp.bfloat16])
-def test_decode_v_major_pool_is_the_transposed_state(state_dtype):
-    """grid="tiles", v_major: a pool holding each head's state as [D_v, D_k] gives the reference's output and, once
+def test_decode_v_major_pool_is_the_transposed_state(state_dtype, grid):
+    """grid="tiles" or "split", v_major: a pool holding each head's state as [D_v, D_k] gives the reference's output and, once
     transposed back, its state (ragged slot order, D_v tiled in 4)."""
     hk, hv, dk, dv, S = 2, 4, 32, 64, 5
     slots = jnp.array([4, 1, 2], jnp.int32)
     x, a, b, conv, ssm, w, A_log, dt_bias = decode_inputs(8, S, 3, hk, hv, dk, dv, state_dtype=state_dtype)
     kw = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, slots=slots)
-    o, conv1, ssm_t = kernel_decode(x, a, b, conv, jnp.swapaxes(ssm, -1, -2), w, A_log, dt_bias, grid="tiles",
+    o, conv1, ssm_t = kernel_decode(x, a, b, conv, jnp.swapaxes(ssm, -1, -2), w, A_log, dt_bias, grid=grid,
                                     v_major=True, bv=16, **kw)
     o_r, conv_r, ssm_r = ref_decode(x, a, b, conv, ssm, w, A_log, dt_bias, **kw)
     tol = 1e-5 if state_dtype == f32 else 1e-2
