@@ -70,6 +70,13 @@ PATCHES = {
     "pallas_bf16_w8a8_fused_xla_schedule": ("pallas_bf16_w8a8_fused", [
         ("kernels.moe.routing_triton", "MAX_PAIRS", None, 0),
     ]),
+    # the GDN decode as one launch per state tile (grid "tiles", the default until 2026-12-02's twelfth session)
+    "pallas_bf16_w8a8_fused_gdn_tiles": ("pallas_bf16_w8a8_fused", [
+        ("kernels.gdn.pallas_triton", "TUNING", "decode", {"grid": "tiles"}),
+    ]),
+    "pallas_bf16_w8a8_fused_gdn_split_bv16_w1": ("pallas_bf16_w8a8_fused", [
+        ("kernels.gdn.pallas_triton", "TUNING", "decode_split", {"bv": 16, "num_warps": 1}),
+    ]),
     "pallas_bf16_w8a8_fused_xlashift": ("pallas_bf16_w8a8_fused", [
         ("kernels.gdn.pallas_triton", "TUNING", "decode", {"conv_shift": "xla"}),
     ]),

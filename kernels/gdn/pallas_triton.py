@@ -66,7 +66,7 @@ TUNING = {
     # fp32, against 0.168 / 0.217 for the "heads" grid and 0.188-0.340 for the other tiles. conv_shift "kernel": the
     # kernel writes the shifted conv state into a new pool when the batch is the whole pool; "xla": a separate XLA op
     # (11 us per layer at 128 slots in results/decode_profile_fused_2026-12-01/)
-    "decode": {"grid": "tiles", "bv": 64, "num_warps": 4, "num_stages": 1, "conv_shift": "kernel"},
+    "decode": {"grid": "split", "bv": 64, "num_warps": 4, "num_stages": 1, "conv_shift": "kernel"},
     # grid "split": a prep launch per (stream, key head) (conv, norms, gates, conv shift in place), then a streaming
     # launch per state tile (`_decode_prep_kernel`, `_decode_state_kernel`)
     "decode_split": {"bv": 64, "num_warps": 4, "num_stages": 1, "prep_num_warps": 4},
@@ -119,24 +119,34 @@ def _params(table: str, overrides: dict) -> dict:
     return p
 
 
-def _conv_silu(conv_ref, x_ref, w_ref, slot, bi, off: int, n: int, ksize: int, shift_ref=None, shift_when=None):
-    """Depthwise causal conv + SiLU of channels [off, off + n) over [conv_state rows of `slot`..., x row `bi`]; same
-    casts as reference.causal_conv1d (the state is cast to x's dtype before the fp32 sum). With `shift_ref` (a
-    separate output pool), also writes these channels' next conv state (rows 1.. then x) to its row `bi`, under
-    `shift_when` if given; conv_ref itself is only read."""
+def _conv_rows(conv_ref, x_ref, slot, bi, off: int, n: int, ksize: int):
+    """The K rows the conv of channels [off, off + n) reads: conv_state rows of `slot` (cast to x's dtype, as
+    reference.causal_conv1d) then x row `bi`. Rows 1.. are that slot's next conv state."""
     ch = pl.ds(off, n)
-    past = [conv_ref[slot, i, ch] for i in range(ksize - 1)]
-    xs = [r.astype(x_ref.dtype) for r in past] + [x_ref[bi, ch]]
+    return [conv_ref[slot, i, ch].astype(x_ref.dtype) for i in range(ksize - 1)] + [x_ref[bi, ch]]
+
+
+def _silu_of_conv(rows, w_ref, off: int, n: int):
+    """SiLU of the depthwise causal conv of `rows` (from `_conv_rows`) with taps w_ref[off:off + n]; fp32 sum."""
+    ch = pl.ds(off, n)
+    y = rows[0].astype(f32) * w_ref[ch, 0].astype(f32)
+    for i in range(1, len(rows)):
+        y = y + rows[i].astype(f32) * w_ref[ch, i].astype(f32)
+    return y * jax.nn.sigmoid(y)
+
+
+def _conv_silu(conv_ref, x_ref, w_ref, slot, bi, off: int, n: int, ksize: int, shift_ref=None, shift_when=None):
+    """Depthwise causal conv + SiLU of channels [off, off + n) over [conv_state rows of `slot`..., x row `bi`]. With
+    `shift_ref` (a separate output pool), also writes these channels' next conv state (rows 1.. then x) to its row
+    `bi`, under `shift_when` if given; conv_ref itself is only read."""
+    rows = _conv_rows(conv_ref, x_ref, slot, bi, off, n, ksize)
     if shift_ref is not None:
         def shift():
-            for i, r in enumerate(past[1:] + [xs[-1]]):
-                shift_ref[bi, i, ch] = r.astype(shift_ref.dtype)
+            for i, r in enumerate(rows[1:]):
+                shift_ref[bi, i, pl.ds(off, n)] = r.astype(shift_ref.dtype)
 
         shift() if shift_when is None else pl.when(shift_when)(shift)
-    y = xs[0].astype(f32) * w_ref[ch, 0].astype(f32)
-    for i in range(1, ksize):
-        y = y + xs[i].astype(f32) * w_ref[ch, i].astype(f32)
-    return y * jax.nn.sigmoid(y)
+    return _silu_of_conv(rows, w_ref, off, n)
 
 
 def _decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, h):
@@ -243,36 +253,33 @@ def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
 def _decode_prep_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref,
                         qk_ref, kq_ref, v_ref, d_ref, beta_ref, conv_out_ref, *, hk, dk, dv, rep, ksize, barrier):
     """grid="split", launch 1 of 2, grid (stream, key head): everything of the step but the state, once per key head.
-    Writes the normalised, scaled q and the normalised k ([B, 2, H_k, D_k] fp32), k . q ([B, H_k]), the conv'd v of the `rep` value
-    heads ([B, H_v, D_v] fp32), e^g and beta ([B, H_v] fp32), and shifts this program's conv channels in place (its
-    key head's q/k channels and its value heads' v channels: no other program touches them)."""
+    Writes the normalised, scaled q and the normalised k ([B, 2, H_k, D_k] fp32), k . q ([B, H_k]), the conv'd v of
+    the `rep` value heads ([B, H_v, D_v] fp32), e^g and beta ([B, H_v] fp32), and shifts this program's conv channels
+    in place (its key head's q/k channels and its value heads' v channels: no other program touches them)."""
     bi = pl.program_id(0)
     kh = pl.program_id(1)
     slot = slots_ref[bi]
     kd = hk * dk
-    conv = functools.partial(_conv_silu, conv_ref, x_ref, w_ref, slot, bi, ksize=ksize)
-    q = _l2n(conv(kh * dk, dk)) * (dk ** -0.5)
-    k = _l2n(conv(kd + kh * dk, dk))
+    ranges = [(kh * dk, dk), (kd + kh * dk, dk), (2 * kd + kh * rep * dv, rep * dv)]  # q, k, v channels
+    rows = [_conv_rows(conv_ref, x_ref, slot, bi, off, n, ksize) for off, n in ranges]
+    q, k, v = (_silu_of_conv(r, w_ref, off, n) for r, (off, n) in zip(rows, ranges))
+    q = _l2n(q) * (dk ** -0.5)
+    k = _l2n(k)
     qk_ref[bi, 0, kh, :] = q
     qk_ref[bi, 1, kh, :] = k
     kq_ref[bi, kh] = jnp.sum(k * q)
     heads = pl.ds(kh * rep, rep)
-    v_ref[bi, heads, :] = conv(2 * kd + kh * rep * dv, rep * dv).reshape(rep, dv)
+    v_ref[bi, heads, :] = v.reshape(rep, dv)
     g = -jnp.exp(alog_ref[heads].astype(f32)) * _softplus(a_ref[bi, heads].astype(f32) + dtb_ref[heads].astype(f32))
     d_ref[bi, heads] = jnp.exp(g)
     beta_ref[bi, heads] = jax.nn.sigmoid(b_ref[bi, heads].astype(f32))
-    # the in-place shift: every thread has read the old rows (barrier), re-read what moves, barrier, write (threads
-    # holding replicated copies of a channel must not overwrite rows another still reads; see _decode_kernel)
-    ranges = [(kh * dk, dk), (kd + kh * dk, dk), (2 * kd + kh * rep * dv, rep * dv)]
+    # the in-place shift from the rows already in registers, after a barrier: a thread holding a replicated copy of a
+    # channel must not overwrite a row another thread has yet to read (see _decode_kernel)
     if barrier:
         plt.debug_barrier()
-    moved = [[conv_ref[slot, i, pl.ds(off, n)] for i in range(1, ksize - 1)] + [x_ref[bi, pl.ds(off, n)]]
-             for off, n in ranges]
-    if barrier:
-        plt.debug_barrier()
-    for (off, n), rows in zip(ranges, moved):
-        for i, row in enumerate(rows):
-            conv_out_ref[slot, i, pl.ds(off, n)] = row.astype(x_ref.dtype).astype(conv_out_ref.dtype)
+    for (off, n), r in zip(ranges, rows):
+        for i, row in enumerate(r[1:]):
+            conv_out_ref[slot, i, pl.ds(off, n)] = row.astype(conv_out_ref.dtype)
 
 
 def _decode_state_kernel(slots_ref, qk_ref, kq_ref, v_ref, d_ref, beta_ref, state_ref, o_ref, state_out_ref, *, dk,
