@@ -77,7 +77,8 @@ def default_moe_activations(cfg: Drama3Config) -> str:
 @dataclasses.dataclass
 class BackboneCache:
     """Per-slot caches. k/v: one [S, max_len, n_kv, head_dim] per full-attention layer; conv: one [S, K-1, conv_dim]
-    and ssm: one [S, H_v, D_k, D_v] per GDN layer; lengths [S] int32 = rows already in the cache."""
+    and ssm: one [S, H_v, D_v, D_k] per GDN layer (each head's state transposed: the decode kernel's D_k reductions
+    then run along the contiguous axis); lengths [S] int32 = rows already in the cache."""
 
     k: list
     v: list
@@ -97,7 +98,7 @@ def init_cache(cfg: TextConfig, slots: int, max_len: int, dtype=jnp.bfloat16, st
     return BackboneCache(
         k=[kv() for _ in range(nf)], v=[kv() for _ in range(nf)],
         conv=[jnp.zeros((slots, cfg.linear_conv_kernel_dim - 1, cfg.linear_conv_dim), dtype) for _ in range(nl)],
-        ssm=[jnp.zeros((slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim),
+        ssm=[jnp.zeros((slots, cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim),
                        state_dtype) for _ in range(nl)],
         lengths=jnp.zeros((slots,), jnp.int32))
 
@@ -199,7 +200,7 @@ class GatedDeltaNet(nnx.Module):
                 slots = jnp.arange(B, dtype=jnp.int32) if conv_state.shape[0] > B else None  # a pool prefix
                 o, conv_state, ssm_state = gdn_decode_step(
                     mixed[:, 0], a[:, 0], b[:, 0], conv_state, ssm_state, conv_w, self.A_log[...],
-                    self.dt_bias[...], num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, slots=slots,
+                    self.dt_bias[...], num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, slots=slots, v_major=True,
                     backend=backends.gdn_decode)
                 o = o[:, None]
             else:
@@ -215,9 +216,10 @@ class GatedDeltaNet(nnx.Module):
                 k = y[..., kd:2 * kd].reshape(B, T, hk, dk)
                 v = y[..., 2 * kd:].reshape(B, T, hv, dv)
                 g, beta = gdn_gates(a, b, self.A_log[...], self.dt_bias[...])
-                o, new_state = gdn_prefill(q, k, v, g, beta, ssm_state, new_lengths, backend=backends.gdn_prefill,
-                                           **rows)
-                ssm_state = new_state.astype(ssm_state.dtype)
+                # the cache is v-major ([.., D_v, D_k], init_cache); the prefill kernels take and give [.., D_k, D_v]
+                o, new_state = gdn_prefill(q, k, v, g, beta, jnp.swapaxes(ssm_state, -1, -2), new_lengths,
+                                           backend=backends.gdn_prefill, **rows)
+                ssm_state = jnp.swapaxes(new_state, -1, -2).astype(ssm_state.dtype)
         o = rms_norm(o, self.norm.weight[...], cfg.rms_norm_eps, zero_centered=False, out_dtype=jnp.float32)
         o = (o * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype).reshape(x.shape[:2] + (hv * dv,))
         return self.out_proj(o, backends.dense), conv_state, ssm_state

@@ -46,7 +46,9 @@ KEXTRA = {}  # extra kwargs for every Pallas call ({"interpret": True} in --cpu-
 # Variants: name -> backend kwargs (pallas_triton). The first of each list is the default (TUNING).
 # Decode: runs of 2026-11-30 / 12-01 (results/gdn_bench.md, kernel_sweep_2026-12-01/, gdn_decode_tiles/) swept the
 # "heads" grid's tile width, warps and prefetch depth, then the "tiles" grid, whose bv 64 / 4 warps is now the default.
-DECODE_VARIANTS = {"triton": {}, "heads": {"grid": "heads"},
+# Since 2026-12-02 (twelfth session) the default ("triton") runs on a v-major pool, the model's cache layout; the
+# other variants name their layout ("vmajor") or are K-major.
+DECODE_VARIANTS = {"triton": {"v_major": True}, "split_kmajor": {"grid": "split"}, "heads": {"grid": "heads"},
                    "tiles_bv32_w4": {"grid": "tiles", "bv": 32, "num_warps": 4},
                    "tiles_bv32_w2": {"grid": "tiles", "bv": 32, "num_warps": 2},
                    "tiles_bv64_w8": {"grid": "tiles", "bv": 64, "num_warps": 8},
@@ -240,7 +242,7 @@ def phase_decode(jax, jnp, np, args):
     ks = jax.random.split(jax.random.PRNGKey(5), 6)
     w, A_log, dt_bias = gates_params(jax, jnp, ks[0])
     streams = [128] if args.quick else sorted(STREAMS, key=lambda b_: b_ != 128)
-    plan = [(B, sdt, {"triton": {}} | ({"reference": None} if B in (1, 128) else {}))
+    plan = [(B, sdt, {"triton": DECODE_VARIANTS["triton"]} | ({"reference": None} if B in (1, 128) else {}))
             for B in streams for sdt in (jnp.float32, jnp.bfloat16)]
     plan += [(128, sdt, {n_: v_ for n_, v_ in DECODE_VARIANTS.items() if n_ != "triton"})
              for sdt in (jnp.float32, jnp.bfloat16) if 128 in streams]

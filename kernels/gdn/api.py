@@ -56,8 +56,11 @@ def gdn_prefill(q, k, v, g, beta, initial_state=None, lengths=None, *, offsets=N
 
 
 def gdn_decode_step(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *, num_k_heads: int,
-                    head_k_dim: int, head_v_dim: int, slots=None, backend: str = "reference", **backend_kwargs):
-    """Fused single-token GDN step on slot pools; see `reference.gdn_decode_step` for shapes."""
+                    head_k_dim: int, head_v_dim: int, slots=None, v_major: bool = False, backend: str = "reference",
+                    **backend_kwargs):
+    """Fused single-token GDN step on slot pools; see `reference.gdn_decode_step` for shapes. v_major: the pool holds
+    each head's state transposed, [S, H_v, D_v, D_k] (the model's layout: the Pallas kernel's D_k reductions then run
+    along the contiguous axis)."""
     fn = pick_backend(DECODE_BACKENDS, backend, "GDN", auto="pallas_triton")
     return fn(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, num_k_heads=num_k_heads,
-              head_k_dim=head_k_dim, head_v_dim=head_v_dim, slots=slots, **backend_kwargs)
+              head_k_dim=head_k_dim, head_v_dim=head_v_dim, slots=slots, v_major=v_major, **backend_kwargs)

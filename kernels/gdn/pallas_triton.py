@@ -61,15 +61,17 @@ f32 = jnp.float32
 # SMs at bv 64, e.g. B=1) takes bv 32 (0.47 vs 0.55 ms at B=1, T=4096) and a larger one bv 64 (0.82 vs 0.95 ms at
 # B=8, T=1024). `bv: None` = that automatic choice.
 TUNING = {
-    # grid "tiles": one program per (stream, value head, bv slice) (`_decode_tile_kernel`); H200, 2026-12-01, one
-    # layer at 128 streams (results/gdn_decode_tiles/): bv 64 / 4 warps 0.152 ms with a bf16 pool and 0.200 ms with
-    # fp32, against 0.168 / 0.217 for the "heads" grid and 0.188-0.340 for the other tiles. conv_shift "kernel": the
-    # kernel writes the shifted conv state into a new pool when the batch is the whole pool; "xla": a separate XLA op
-    # (11 us per layer at 128 slots in results/decode_profile_fused_2026-12-01/)
+    # grid "split" (the default): a prep launch per (stream, key head) (conv, norms, gates, k.q, conv shift in place),
+    # then a streaming launch per state tile (`_decode_prep_kernel`, `_decode_state_kernel`). H200, 2026-12-02
+    # (results/gdn_decode_split_2026-12-02/), one layer at 128 streams: K-major pool 0.117 ms (bf16) / 0.170 (fp32)
+    # against 0.155 / 0.204 for "tiles" in the same run; a v-major pool 0.098 (bf16, bv 128 / 8 warps) / 0.172
+    # (fp32, bv 64 / 4 warps); Nsight: the prep takes 9.9 us with 2 warps (11.1 with 4, 12.4 with 1).
+    # grid "tiles": one program per (stream, value head, bv slice) that also recomputes its key head's q/k
+    # (`_decode_tile_kernel`; results/gdn_decode_tiles/). conv_shift "kernel": the kernel writes the shifted conv
+    # state into a new pool when the batch is the whole pool; "xla": a separate XLA op.
     "decode": {"grid": "split", "bv": 64, "num_warps": 4, "num_stages": 1, "conv_shift": "kernel"},
-    # grid "split": a prep launch per (stream, key head) (conv, norms, gates, conv shift in place), then a streaming
-    # launch per state tile (`_decode_prep_kernel`, `_decode_state_kernel`)
-    "decode_split": {"bv": 64, "num_warps": 4, "num_stages": 1, "prep_num_warps": 4},
+    "decode_split": {"bv": 64, "num_warps": 4, "num_stages": 1, "prep_num_warps": 2},
+    "decode_split_v_major_bf16_state": {"bv": 128, "num_warps": 8},
     # grid "heads": one program per (stream, key head), conv shift in the kernel (`_decode_kernel`)
     "decode_heads": {"bv": 32, "num_warps": 4, "num_stages": 1, "prefetch": 1},
     # bf16 state pools: tiles are half the registers, so three can be in flight (H200, 2026-12-01, 128 streams:
@@ -362,7 +364,8 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
         p = _params("decode_heads", (TUNING["decode_heads_bf16_state"] if ssm_state.dtype == jnp.bfloat16 else {})
                     | asked) | {"grid": "heads"}
     elif p["grid"] == "split":
-        p = _params("decode_split", asked) | {"grid": "split"}
+        bf16_vmajor = TUNING["decode_split_v_major_bf16_state"] if v_major and ssm_state.dtype == jnp.bfloat16 else {}
+        p = _params("decode_split", bf16_vmajor | asked) | {"grid": "split"}
     B, C = mixed_qkv.shape
     hv = a.shape[-1]
     hk, dk, dv = num_k_heads, head_k_dim, head_v_dim

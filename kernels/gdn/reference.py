@@ -182,18 +182,20 @@ def gdn_gates(a, b, A_log, dt_bias):
 
 
 def gdn_decode_step(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *,
-                    num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None):
+                    num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, v_major: bool = False):
     """One token per stream: conv-state update + SiLU, gates, L2 norm, delta-rule update, output.
 
     mixed_qkv [B, 2*H_k*D_k + H_v*D_v] (the in_proj_qkv output, before the conv); a, b [B, H_v];
     conv_state [S, K-1, C] and ssm_state [S, H_v, D_k, D_v] are slot pools (S >= B); `slots` [B] picks each row's
     slot (None: row i is slot i, S == B). Returns (o [B, H_v, D_v] fp32, conv_state, ssm_state) with only the
-    addressed slots changed."""
+    addressed slots changed. v_major: ssm_state holds each head's state transposed, [S, H_v, D_v, D_k]."""
     B, Cd = mixed_qkv.shape
     hv = a.shape[-1]
     kd = num_k_heads * head_k_dim
     cs = conv_state if slots is None else conv_state[slots]
     ss = ssm_state if slots is None else ssm_state[slots]
+    if v_major:
+        ss = jnp.swapaxes(ss, -1, -2)
     y, new_cs = causal_conv1d(mixed_qkv[:, None, :], conv_weight, cs)
     y = y[:, 0]
     q = y[:, :kd].reshape(B, 1, num_k_heads, head_k_dim)
@@ -202,6 +204,8 @@ def gdn_decode_step(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, 
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     o, new_ss = gated_delta_recurrent(q, k, v, g[:, None], beta[:, None], ss)
     new_ss = new_ss.astype(ssm_state.dtype)
+    if v_major:
+        new_ss = jnp.swapaxes(new_ss, -1, -2)
     if slots is None:
         return o[:, 0], new_cs, new_ss
     return o[:, 0], conv_state.at[slots].set(new_cs), ssm_state.at[slots].set(new_ss)

@@ -27,7 +27,8 @@ from kernels.h200_lowering import lower_for_h200
 f32 = jnp.float32
 # jitted references (eager op-by-op dispatch would dominate the test time)
 ref_recurrent = jax.jit(reference.gated_delta_recurrent)
-ref_decode = jax.jit(reference.gdn_decode_step, static_argnames=("num_k_heads", "head_k_dim", "head_v_dim"))
+ref_decode = jax.jit(reference.gdn_decode_step,
+                     static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "v_major"))
 ref_conv = jax.jit(reference.causal_conv1d)
 
 
@@ -199,6 +200,9 @@ def test_decode_v_major_pool_is_the_transposed_state(state_dtype, grid):
     tol = 1e-5 if state_dtype == f32 else 1e-2
     assert rel(o, o_r) <= tol and bool((conv1 == conv_r).all())
     assert rel(jnp.swapaxes(ssm_t, -1, -2), ssm_r) <= tol
+    # the reference on the same v-major pool (the model's layout) is the K-major reference, transposed
+    o_v, _, ssm_v = ref_decode(x, a, b, conv, jnp.swapaxes(ssm, -1, -2), w, A_log, dt_bias, v_major=True, **kw)
+    assert rel(o_v, o_r) <= 1e-6 and rel(jnp.swapaxes(ssm_v, -1, -2), ssm_r) <= (1e-6 if state_dtype == f32 else 1e-2)
     assert rel(jnp.swapaxes(ssm_t, -1, -2)[slots], ssm[slots]) > 1e-3
 
 
