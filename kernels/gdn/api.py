@@ -4,9 +4,9 @@ Backends:
   "reference"            plain jnp, the truth (`gdn_prefill`: chunked WY form; decode: conv + recurrence step).
   "reference_recurrent"  prefill only: the token-by-token scan.
   "pallas_triton"        Pallas GPU kernels, Triton lowering (kernels/gdn/pallas_triton.py): chunked prefill
-                         (three launches; packed sequences read in place) and the fused single-step decode on
-                         the slot pools (in place; one launch, which also shifts the conv state when the batch is
-                         the whole pool).
+                         (three launches; packed sequences read in place) and the single-step decode on the
+                         slot pools, both updated in place (a prep launch per key head: conv, norms, gates, conv
+                         shift; then a streaming launch per state tile).
   "auto"                 "pallas_triton" when JAX's default backend is a GPU, else "reference".
 
 Extra keyword arguments (`**backend_kwargs`) go to the chosen implementation, e.g. `interpret=True` (Pallas

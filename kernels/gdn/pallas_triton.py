@@ -5,11 +5,16 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
 * `gdn_decode_step_triton` - one token per stream, all streams at once: causal conv1d (kernel K) + SiLU on the q/k/v
   channels, beta/decay from the raw a/b projections, q/k L2 norm, delta-rule update, output; the state is read and
   written once, in place in the slot pool (`input_output_aliases`; donate the pools at the outer `jax.jit` so XLA does
-  not copy them). Two grids (`TUNING["decode"]["grid"]`):
-    - "tiles" (default): one program per (stream, value head, bv slice) of the state, as vLLM's
+  not copy them). `v_major=True` takes a pool holding each head's state as [D_v, D_k] (the model's cache layout:
+  the D_k reductions then run along the contiguous axis, within a warp's lanes). Three grids
+  (`TUNING["decode"]["grid"]`):
+    - "split" (default): two launches. `_decode_prep_kernel`, one program per (stream, key head), does everything
+      but the state once per key head (conv + SiLU, norms, k.q, gates) and shifts its conv channels in place; then
+      `_decode_state_kernel`, one program per (stream, value head, bv slice), streams its state tile (load, two
+      reductions, update, store) with nothing else on its critical path.
+    - "tiles": one launch, one program per (stream, value head, bv slice), as vLLM's
       `fused_sigmoid_gating_delta_rule_update`; each program recomputes its key head's q/k and only reads the conv
-      state, which one XLA op shifts after the kernel. `v_major=True` takes a pool holding [D_v, D_k] per head
-      (a layout experiment, see experiments/results/gdn_summary.md).
+      state, which the kernel writes shifted into a new pool when the batch is the whole pool (else one XLA op).
     - "heads": one program per (stream, key head), owning the conv channels of its key head (q and k) and of the
       `rep` value heads that share it, so the conv shift happens in the kernel too (one launch). The state is walked
       in [D_k, bv] tiles with the next tiles' loads issued before the current tile's store. The shift is written
