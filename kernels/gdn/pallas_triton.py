@@ -258,16 +258,14 @@ def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
 
 
 def _decode_prep_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref,
-                        qk_ref, kq_ref, v_ref, d_ref, beta_ref, conv_out_ref, *, hk, dk, dv, rep, ksize, barrier,
-                        identity):
+                        qk_ref, kq_ref, v_ref, d_ref, beta_ref, conv_out_ref, *, hk, dk, dv, rep, ksize, barrier):
     """grid="split", launch 1 of 2, grid (stream, key head): everything of the step but the state, once per key head.
     Writes the normalised, scaled q and the normalised k ([B, 2, H_k, D_k] fp32), k . q ([B, H_k]), the conv'd v of
     the `rep` value heads ([B, H_v, D_v] fp32), e^g and beta ([B, H_v] fp32), and shifts this program's conv channels
-    in place (its key head's q/k channels and its value heads' v channels: no other program touches them).
-    identity: row i is slot i (the whole pool in the batch), so no address waits on a load of `slots`."""
+    in place (its key head's q/k channels and its value heads' v channels: no other program touches them)."""
     bi = pl.program_id(0)
     kh = pl.program_id(1)
-    slot = bi if identity else slots_ref[bi]
+    slot = slots_ref[bi]
     kd = hk * dk
     ranges = [(kh * dk, dk), (kd + kh * dk, dk), (2 * kd + kh * rep * dv, rep * dv)]  # q, k, v channels
     rows = [_conv_rows(conv_ref, x_ref, slot, bi, off, n, ksize) for off, n in ranges]
@@ -292,13 +290,13 @@ def _decode_prep_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
 
 
 def _decode_state_kernel(slots_ref, qk_ref, kq_ref, v_ref, d_ref, beta_ref, state_ref, o_ref, state_out_ref, *, dk,
-                         bv, rep, v_major, identity):
+                         bv, rep, v_major):
     """grid="split", launch 2 of 2, grid (stream, value head, D_v slice): the delta rule on one state tile, from the
     prepared q, k, v and gates; a streaming kernel (tile in, tile out) with nothing else on its critical path."""
     bi = pl.program_id(0)
     h = pl.program_id(1)
     j = pl.program_id(2)
-    slot = bi if identity else slots_ref[bi]
+    slot = slots_ref[bi]
     tile = (slot, h, pl.ds(j * bv, bv), slice(None)) if v_major else (slot, h, slice(None), pl.ds(j * bv, bv))
     s = state_ref[tile].astype(f32)  # [bv, dk] if v_major else [dk, bv]
     q = qk_ref[bi, 0, h // rep, :]
@@ -317,14 +315,12 @@ def _decode_state_kernel(slots_ref, qk_ref, kq_ref, v_ref, d_ref, beta_ref, stat
 
 
 def _decode_split(slots, mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *, hk, dk, dv, rep,
-                  bv, ksize, v_major, identity, p, interpret):
-    """grid="split": `_decode_prep_kernel` then `_decode_state_kernel`; both pools updated in place. identity: the
-    batch is the whole pool in slot order (the kernels then skip the slot indirection)."""
+                  bv, ksize, v_major, p, interpret):
+    """grid="split": `_decode_prep_kernel` then `_decode_state_kernel`; both pools updated in place."""
     B = mixed_qkv.shape[0]
     hv = hk * rep
     qk, kq, v, d, beta, conv_state = pl.pallas_call(
-        functools.partial(_decode_prep_kernel, hk=hk, dk=dk, dv=dv, rep=rep, ksize=ksize, barrier=not interpret,
-                          identity=identity),
+        functools.partial(_decode_prep_kernel, hk=hk, dk=dk, dv=dv, rep=rep, ksize=ksize, barrier=not interpret),
         out_shape=(jax.ShapeDtypeStruct((B, 2, hk, dk), f32), jax.ShapeDtypeStruct((B, hk), f32),
                    jax.ShapeDtypeStruct((B, hv, dv), f32),
                    jax.ShapeDtypeStruct((B, hv), f32), jax.ShapeDtypeStruct((B, hv), f32),
@@ -336,7 +332,7 @@ def _decode_split(slots, mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_
         name="gdn_decode_prep",
     )(slots, mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state)
     o, ssm_state = pl.pallas_call(
-        functools.partial(_decode_state_kernel, dk=dk, bv=bv, rep=rep, v_major=v_major, identity=identity),
+        functools.partial(_decode_state_kernel, dk=dk, bv=bv, rep=rep, v_major=v_major),
         out_shape=(jax.ShapeDtypeStruct((B, hv, dv), f32), jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)),
         grid=(B, hv, dv // bv),
         input_output_aliases={6: 1},
@@ -392,8 +388,8 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
     params = plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"])
     if p["grid"] == "split":
         return _decode_split(slots, mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, hk=hk, dk=dk,
-                             dv=dv, rep=rep, bv=bv_, ksize=ksize, v_major=p.get("v_major", False),
-                             identity=given_slots is None, p=p, interpret=interpret)
+                             dv=dv, rep=rep, bv=bv_, ksize=ksize, v_major=p.get("v_major", False), p=p,
+                             interpret=interpret)
     if p["grid"] == "tiles":
         # the whole pool in the batch: the kernel writes the shifted conv state into a new pool (one XLA op less per
         # layer); a pool prefix keeps the rows past it, so there the XLA shift updates the given rows in place
