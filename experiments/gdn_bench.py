@@ -44,11 +44,11 @@ MAX_SLOT_BLOCKS = 128
 KEXTRA = {}  # extra kwargs for every Pallas call ({"interpret": True} in --cpu-smoke)
 
 # Variants: name -> backend kwargs (pallas_triton). The first of each list is the default (TUNING).
-# Decode: runs of 2026-11-30 / 12-01 (results/gdn_bench.md, kernel_sweep_2026-12-01/, gdn_decode_tiles/) swept the
-# "heads" grid's tile width, warps and prefetch depth, then the "tiles" grid, whose bv 64 / 4 warps is now the default.
-# Since 2026-12-02 (twelfth session) the default ("triton") runs on a v-major pool, the model's cache layout; the
-# other variants name their layout ("vmajor") or are K-major.
-DECODE_VARIANTS = {"triton": {"v_major": True}, "split_kmajor": {"grid": "split"}, "heads": {"grid": "heads"},
+# Decode: runs of 2026-11-30 / 12-01 (results/gdn_bench.md, kernel_sweep_2026-12-01/, gdn_decode_tiles/) swept a
+# per-key-head grid (since removed) and the "tiles" grid; 2026-12-02 (gdn_decode_split_2026-12-02/) the "split" pair.
+# The default ("triton") runs on a v-major pool, the model's cache layout; the other variants name their layout
+# ("vmajor") or are K-major.
+DECODE_VARIANTS = {"triton": {"v_major": True}, "split_kmajor": {"grid": "split"},
                    "tiles_bv32_w4": {"grid": "tiles", "bv": 32, "num_warps": 4},
                    "tiles_bv32_w2": {"grid": "tiles", "bv": 32, "num_warps": 2},
                    "tiles_bv64_w8": {"grid": "tiles", "bv": 64, "num_warps": 8},

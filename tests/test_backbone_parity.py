@@ -296,3 +296,37 @@ def test_moe_skips_prompt_padding_without_changing_the_prompt(jax_fp32, tiny_cfg
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(s1, s0)
     assert np.isfinite(h1).all() and not np.array_equal(h1, h0)  # padding rows differ: the mask is really on
+
+
+def test_gdn_kernels_in_the_model_on_the_v_major_cache(jax_fp32, tiny_cfg, monkeypatch):
+    """Backends(gdn_prefill=gdn_decode="pallas_triton") (interpret mode, fp32 dots) run the model's v-major GDN cache
+    ([S, H_v, D_v, D_k]): a ragged prefill, then two decode steps, give the reference backends' hidden states and
+    GDN caches."""
+    import dataclasses
+    import functools
+
+    from drama3_jax.backbone import Backends
+    from kernels.gdn import api as gdn_api
+
+    for table, kw in ((gdn_api.PREFILL_BACKENDS, dict(dot="float32")), (gdn_api.DECODE_BACKENDS, {})):
+        monkeypatch.setitem(table, "pallas_triton", functools.partial(table["pallas_triton"], interpret=True, **kw))
+    rows = jnp.asarray(random_rows(tiny_cfg, 2, 6, seed=9, semantic_from=3))
+    nxt = jnp.asarray(random_rows(tiny_cfg, 2, 2, seed=10, semantic_from=0))
+    lengths = jnp.asarray([6, 4], jnp.int32)
+    fwd = nnx.jit(lambda m, r, c, n, fresh, b: m.forward(r, c, n, fresh=fresh, backends=b),
+                  static_argnames=("fresh", "b"))
+    out = []
+    for b in (Backends(), dataclasses.replace(Backends(), gdn_prefill="pallas_triton", gdn_decode="pallas_triton")):
+        cache = init_cache(jax_fp32.cfg.text, 2, 32, jnp.float32)
+        h, cache = fwd(jax_fp32, rows, cache, lengths, fresh=True, b=b)
+        hs = [h]
+        for s in range(2):
+            h1, cache = fwd(jax_fp32, nxt[:, s:s + 1], cache, jnp.ones((2,), jnp.int32), fresh=False, b=b)
+            hs.append(h1)
+        out.append(([np.asarray(x) for x in hs], [np.asarray(s) for s in cache.ssm]))
+    t = jax_fp32.cfg.text
+    assert out[1][1][0].shape == (2, t.linear_num_value_heads, t.linear_value_head_dim, t.linear_key_head_dim)
+    (h_ref, s_ref), (h_k, s_k) = out
+    for ref, got in zip(h_ref + s_ref, h_k + s_k):
+        assert np.isfinite(ref).all()
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)

@@ -6,7 +6,7 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
   channels, beta/decay from the raw a/b projections, q/k L2 norm, delta-rule update, output; the state is read and
   written once, in place in the slot pool (`input_output_aliases`; donate the pools at the outer `jax.jit` so XLA does
   not copy them). `v_major=True` takes a pool holding each head's state as [D_v, D_k] (the model's cache layout:
-  the D_k reductions then run along the contiguous axis, within a warp's lanes). Three grids
+  the D_k reductions then run along the contiguous axis, within a warp's lanes). Two grids
   (`TUNING["decode"]["grid"]`):
     - "split" (default): two launches. `_decode_prep_kernel`, one program per (stream, key head), does everything
       but the state once per key head (conv + SiLU, norms, k.q, gates) and shifts its conv channels in place; then
@@ -15,11 +15,8 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
     - "tiles": one launch, one program per (stream, value head, bv slice), as vLLM's
       `fused_sigmoid_gating_delta_rule_update`; each program recomputes its key head's q/k and only reads the conv
       state, which the kernel writes shifted into a new pool when the batch is the whole pool (else one XLA op).
-    - "heads": one program per (stream, key head), owning the conv channels of its key head (q and k) and of the
-      `rep` value heads that share it, so the conv shift happens in the kernel too (one launch). The state is walked
-      in [D_k, bv] tiles with the next tiles' loads issued before the current tile's store. The shift is written
-      last, between two barriers (threads holding replicated copies of a channel must all have read the old rows;
-      an H200 run without them gave wrong results for some tunings).
+    (A third grid, one program per (stream, key head) walking its tiles with loads issued ahead, lost to both on
+    every H200 run and was removed; its last code is in commit e099f4b.)
 
 * `gated_delta_chunk_prefill_triton` - chunked prefill (chunk 64, WY/UT form) for a right-padded batch with
   per-sequence lengths, initial state in, final state out, q/k L2 norm fused; `gated_delta_packed_prefill_triton`
@@ -60,11 +57,10 @@ from kernels.gdn.reference import L2_EPS
 
 f32 = jnp.float32
 
-# Tuning table. Keys are read by the wrappers below; override per call with keyword arguments. Values from the H200
-# run in experiments/results/gdn_bench.md (2026-11-30): decode bv 32 / 4 warps beat bv 16 (1 or 2 warps) and bv 64
-# (8 warps) for both state dtypes; the state pass is latency-bound per chunk, so a small grid (fewer programs than
-# SMs at bv 64, e.g. B=1) takes bv 32 (0.47 vs 0.55 ms at B=1, T=4096) and a larger one bv 64 (0.82 vs 0.95 ms at
-# B=8, T=1024). `bv: None` = that automatic choice.
+# Tuning table. Keys are read by the wrappers below; override per call with keyword arguments. Prefill values from
+# the H200 run in experiments/results/gdn_bench.md (2026-11-30): the state pass is latency-bound per chunk, so a
+# small grid (fewer programs than SMs at bv 64, e.g. B=1) takes bv 32 (0.47 vs 0.55 ms at B=1, T=4096) and a larger
+# one bv 64 (0.82 vs 0.95 ms at B=8, T=1024). `bv: None` = that automatic choice.
 TUNING = {
     # grid "split" (the default): a prep launch per (stream, key head) (conv, norms, gates, k.q, conv shift in place),
     # then a streaming launch per state tile (`_decode_prep_kernel`, `_decode_state_kernel`). H200, 2026-12-02
@@ -77,11 +73,6 @@ TUNING = {
     "decode": {"grid": "split", "bv": 64, "num_warps": 4, "num_stages": 1, "conv_shift": "kernel"},
     "decode_split": {"bv": 64, "num_warps": 4, "num_stages": 1, "prep_num_warps": 2},
     "decode_split_v_major_bf16_state": {"bv": 128, "num_warps": 8},
-    # grid "heads": one program per (stream, key head), conv shift in the kernel (`_decode_kernel`)
-    "decode_heads": {"bv": 32, "num_warps": 4, "num_stages": 1, "prefetch": 1},
-    # bf16 state pools: tiles are half the registers, so three can be in flight (H200, 2026-12-01, 128 streams:
-    # 0.162 ms vs 0.169 with one; fp32 stays at one: 0.213 vs 0.217 / 0.228 with two / three)
-    "decode_heads_bf16_state": {"prefetch": 3},
     # inverse in one warp: its forward substitution's reductions over 16 x 16 blocks stay within the warp (H200,
     # 2026-12-02, results/prefill_gdn_2026-12-02/: one layer at B=8, T=384 0.320 ms against 0.377 with 4 warps and
     # 0.328 with 2; T=1024: 0.755 against 0.914 at B=8, 0.141 against 0.155 at B=1)
@@ -163,65 +154,6 @@ def _decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, h):
 
 
 # ==================================================================================================== decode
-def _decode_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref, state_ref,
-                   o_ref, conv_out_ref, state_out_ref, *, hk, dk, dv, rep, bv, ksize, prefetch, barrier):
-    bi = pl.program_id(0)
-    kh = pl.program_id(1)
-    slot = slots_ref[bi]
-    kd = hk * dk
-    xdt = x_ref.dtype
-    sdt = state_out_ref.dtype
-    nj = dv // bv
-
-    conv = functools.partial(_conv_silu, conv_ref, x_ref, w_ref, slot, bi, ksize=ksize)
-
-    q = _l2n(conv(kh * dk, dk)) * (dk ** -0.5)
-    k = _l2n(conv(kd + kh * dk, dk))
-    kq = jnp.sum(k * q)
-    gates = [_decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, kh * rep + r) for r in range(rep)]
-
-    # State tiles [dk, bv]: each read once and written once, `prefetch` tiles loaded ahead of the store.
-    # With d = e^g: kv = d S^T k and sq = d S^T q both use the old S (independent reductions), then
-    # delta = beta (v - kv), S' = d S + k delta^T, o = S'^T q = sq + delta (k . q).
-    tiles = [(r, j) for r in range(rep) for j in range(nj)]
-
-    def load_tile(t):
-        r, j = tiles[t]
-        return state_ref[slot, kh * rep + r, :, pl.ds(j * bv, bv)]
-
-    live = [load_tile(t) for t in range(min(prefetch, len(tiles)))]
-    for t, (r, j) in enumerate(tiles):
-        cur = live.pop(0)
-        if t + prefetch < len(tiles):
-            live.append(load_tile(t + prefetch))  # issued before this tile's store
-        h = kh * rep + r
-        d, beta = gates[r]
-        v = conv(2 * kd + h * dv + j * bv, bv)
-        s = cur.astype(f32)
-        kv = d * jnp.sum(s * k[:, None], axis=0)
-        sq = d * jnp.sum(s * q[:, None], axis=0)
-        delta = beta * (v - kv)
-        s = d * s + k[:, None] * delta[None, :]
-        state_out_ref[slot, h, :, pl.ds(j * bv, bv)] = s.astype(sdt)
-        o_ref[bi, h, pl.ds(j * bv, bv)] = sq + delta * kq
-
-    # Shift the conv state of this program's channels (q and k of key head kh, v of its `rep` value heads: three
-    # contiguous ranges). Several threads may hold the same channel (replicated layouts), so: every thread has
-    # read the old rows (barrier), re-read what moves, barrier, then write.
-    ranges = [(kh * dk, dk), (kd + kh * dk, dk), (2 * kd + kh * rep * dv, rep * dv)]
-    if barrier:
-        plt.debug_barrier()
-    moved = []
-    for off, n in ranges:
-        ch = pl.ds(off, n)
-        moved.append([conv_ref[slot, i, ch] for i in range(1, ksize - 1)] + [x_ref[bi, ch]])
-    if barrier:
-        plt.debug_barrier()
-    for (off, n), rows in zip(ranges, moved):
-        for i, row in enumerate(rows):
-            conv_out_ref[slot, i, pl.ds(off, n)] = row.astype(xdt).astype(conv_out_ref.dtype)
-
-
 def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref, state_ref,
                         o_ref, state_out_ref, conv_out_ref=None, *, hk, dk, dv, rep, bv, ksize, v_major):
     """One [D_k, bv] state tile per program (grid (stream, value head, D_v slice)): many small independent programs
@@ -281,7 +213,8 @@ def _decode_prep_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
     d_ref[bi, heads] = jnp.exp(g)
     beta_ref[bi, heads] = jax.nn.sigmoid(b_ref[bi, heads].astype(f32))
     # the in-place shift from the rows already in registers, after a barrier: a thread holding a replicated copy of a
-    # channel must not overwrite a row another thread has yet to read (see _decode_kernel)
+    # channel must not overwrite a row another thread has yet to read (an H200 run of an earlier kernel without such a
+    # barrier gave wrong results for some tunings)
     if barrier:
         plt.debug_barrier()
     for (off, n), r in zip(ranges, rows):
@@ -355,20 +288,17 @@ def _shift_conv_state(conv_state, mixed_qkv, slots):
 def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *,
                            num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, interpret: bool = False,
                            bv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                           prefetch: int | None = None, grid: str | None = None, v_major: bool | None = None,
+                           grid: str | None = None, v_major: bool | None = None,
                            conv_shift: str | None = None, prep_num_warps: int | None = None):
     """Fused single-token GDN step on slot pools; same contract as `reference.gdn_decode_step`.
 
     The pools are updated in place (input_output_aliases); only the `slots` rows change. Donate conv_state and
     ssm_state at the enclosing jit to avoid a copy of the pool."""
-    asked = {k: v for k, v in dict(bv=bv, num_warps=num_warps, num_stages=num_stages, prefetch=prefetch,
+    asked = {k: v for k, v in dict(bv=bv, num_warps=num_warps, num_stages=num_stages,
                                    grid=grid, v_major=v_major, conv_shift=conv_shift,
                                    prep_num_warps=prep_num_warps).items() if v is not None}
     p = _params("decode", asked)
-    if p["grid"] == "heads":
-        p = _params("decode_heads", (TUNING["decode_heads_bf16_state"] if ssm_state.dtype == jnp.bfloat16 else {})
-                    | asked) | {"grid": "heads"}
-    elif p["grid"] == "split":
+    if p["grid"] == "split":
         bf16_vmajor = TUNING["decode_split_v_major_bf16_state"] if v_major and ssm_state.dtype == jnp.bfloat16 else {}
         p = _params("decode_split", bf16_vmajor | asked) | {"grid": "split"}
     B, C = mixed_qkv.shape
@@ -379,7 +309,6 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
     bv_ = min(p["bv"], dv)
     assert C == 2 * hk * dk + hv * dv and conv_state.shape[1:] == (ksize - 1, C)
     assert ssm_state.shape[1:] == ((hv, dv, dk) if p.get("v_major") else (hv, dk, dv)) and dv % bv_ == 0
-    assert not p.get("v_major") or p["grid"] in ("tiles", "split"), "v_major needs the tiles or split grid"
     given_slots = slots
     if slots is None:
         assert conv_state.shape[0] == B and ssm_state.shape[0] == B
@@ -410,21 +339,7 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
         )(slots, mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, ssm_state)
         conv_state = conv_new[0] if shift_in_kernel else _shift_conv_state(conv_state, mixed_qkv, given_slots)
         return o, conv_state, ssm_state
-    assert p["grid"] == "heads", p["grid"]
-    kernel = functools.partial(_decode_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize,
-                               prefetch=max(1, p["prefetch"]), barrier=not interpret)
-    o, conv_state, ssm_state = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((B, hv, dv), f32),
-                   jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),
-                   jax.ShapeDtypeStruct(ssm_state.shape, ssm_state.dtype)),
-        grid=(B, hk),
-        input_output_aliases={7: 1, 8: 2},
-        compiler_params=params,
-        interpret=interpret,
-        name="gdn_decode_step",
-    )(slots, mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, ssm_state)
-    return o, conv_state, ssm_state
+    raise ValueError(f"unknown decode grid {p['grid']!r}: expected 'split' or 'tiles'")
 
 
 # ==================================================================================================== prefill
