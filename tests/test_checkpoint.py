@@ -149,8 +149,9 @@ def test_converter_memory_stays_bounded(tmp_path):
     assert p16 < t16 / 3
 
 
-def test_one_directory_holds_all_three_parts(tmp_path, tiny_cfg):
-    """make_tiny_checkpoint + convert_checkpoint CLIs: talker, codec and tokenizer come back from drama3_jax.load."""
+def test_one_directory_holds_all_three_parts(tmp_path, tiny_cfg, capsys):
+    """make_tiny_checkpoint + convert_checkpoint CLIs: talker, codec and tokenizer come back from drama3_jax.load; a
+    missing codec file is exit status 1 with its path in the message (the CLI's main, in this process)."""
     import subprocess
     import sys
 
@@ -167,9 +168,12 @@ def test_one_directory_holds_all_three_parts(tmp_path, tiny_cfg):
     codes = np.minimum(codes, np.array(tts.codec.cfg.codebook_sizes)[:, None] - 1)
     audio = tts.codec.decode(codes)
     assert audio.shape == (codes.shape[1] * tts.codec.frame_length,) and np.isfinite(audio).all()
-    bad = subprocess.run([sys.executable, "-m", "scripts.convert_checkpoint", "--hf-dir", str(hf), "--out",
-                          str(tmp_path / "x"), "--codec", str(tmp_path / "missing.pth")], capture_output=True, text=True)
-    assert bad.returncode == 1 and "missing.pth" in bad.stderr
+    from scripts import convert_checkpoint
+
+    capsys.readouterr()
+    status = convert_checkpoint.main(["--hf-dir", str(hf), "--out", str(tmp_path / "x"), "--codec",
+                                      str(tmp_path / "missing.pth")])
+    assert status == 1 and "missing.pth" in capsys.readouterr().err
 
 
 def test_random_talker_on_device_matches_the_checkpoint_layout(tiny_fp8_dir, tiny_cfg):
