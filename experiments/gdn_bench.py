@@ -48,41 +48,28 @@ KEXTRA = {}  # extra kwargs for every Pallas call ({"interpret": True} in --cpu-
 # per-key-head grid (since removed) and the "tiles" grid; 2026-12-02 (gdn_decode_split_2026-12-02/) the "split" pair.
 # The default ("triton") runs on a v-major pool, the model's cache layout; the other variants name their layout
 # ("vmajor") or are K-major.
-DECODE_VARIANTS = {"triton": {"v_major": True}, "split_kmajor": {"grid": "split"},
-                   "tiles_bv32_w4": {"grid": "tiles", "bv": 32, "num_warps": 4},
-                   "tiles_bv32_w2": {"grid": "tiles", "bv": 32, "num_warps": 2},
-                   "tiles_bv64_w8": {"grid": "tiles", "bv": 64, "num_warps": 8},
-                   "tiles_bv128_w8": {"grid": "tiles", "bv": 128, "num_warps": 8},
-                   "tiles_bv16_w1": {"grid": "tiles", "bv": 16, "num_warps": 1},
-                   # the state transposed in the pool ([D_v, D_k]): the D_k reductions along the contiguous axis
-                   "vmajor_bv32_w4": {"grid": "tiles", "v_major": True, "bv": 32, "num_warps": 4},
-                   "vmajor_bv64_w4": {"grid": "tiles", "v_major": True, "bv": 64, "num_warps": 4},
-                   "vmajor_bv16_w2": {"grid": "tiles", "v_major": True, "bv": 16, "num_warps": 2},
-                   "vmajor_bv64_w8": {"grid": "tiles", "v_major": True, "bv": 64, "num_warps": 8},
-                   "vmajor_bv128_w8": {"grid": "tiles", "v_major": True, "bv": 128, "num_warps": 8},
-                   # one or two warps: every reduction (the q/k norms, k.q, the D_k sums) stays within a warp
-                   "vmajor_bv16_w1": {"grid": "tiles", "v_major": True, "bv": 16, "num_warps": 1},
-                   "vmajor_bv32_w1": {"grid": "tiles", "v_major": True, "bv": 32, "num_warps": 1},
-                   "vmajor_bv32_w2": {"grid": "tiles", "v_major": True, "bv": 32, "num_warps": 2},
-                   "vmajor_bv64_w2": {"grid": "tiles", "v_major": True, "bv": 64, "num_warps": 2},
-                   "tiles_bv64_w2": {"grid": "tiles", "bv": 64, "num_warps": 2},
-                   # "split": a prep launch per (stream, key head), then a streaming launch per state tile
-                   "tiles_bv64_w4": {"grid": "tiles", "bv": 64, "num_warps": 4},
-                   "split_bv64_w4": {"grid": "split", "bv": 64, "num_warps": 4},
-                   "split_bv64_w4_prep1": {"grid": "split", "bv": 64, "num_warps": 4, "prep_num_warps": 1},
-                   "split_bv64_w4_prep2": {"grid": "split", "bv": 64, "num_warps": 4, "prep_num_warps": 2},
-                   "split_bv16_w1": {"grid": "split", "bv": 16, "num_warps": 1},
-                   "split_bv16_w2": {"grid": "split", "bv": 16, "num_warps": 2},
-                   "split_bv32_w2": {"grid": "split", "bv": 32, "num_warps": 2},
-                   "split_bv32_w4": {"grid": "split", "bv": 32, "num_warps": 4},
-                   "split_bv128_w8": {"grid": "split", "bv": 128, "num_warps": 8},
-                   "split_vmajor_bv16_w1": {"grid": "split", "v_major": True, "bv": 16, "num_warps": 1},
-                   "split_vmajor_bv32_w1": {"grid": "split", "v_major": True, "bv": 32, "num_warps": 1},
-                   "split_vmajor_bv32_w2": {"grid": "split", "v_major": True, "bv": 32, "num_warps": 2},
-                   "split_vmajor_bv64_w2": {"grid": "split", "v_major": True, "bv": 64, "num_warps": 2},
-                   "split_vmajor_bv64_w4": {"grid": "split", "v_major": True, "bv": 64, "num_warps": 4},
-                   "split_vmajor_bv128_w4": {"grid": "split", "v_major": True, "bv": 128, "num_warps": 4},
-                   "split_vmajor_bv128_w8": {"grid": "split", "v_major": True, "bv": 128, "num_warps": 8}}
+def decode_variant(name: str) -> dict:
+    """Backend kwargs of a decode variant name: [tiles_|split_][vmajor_]bv{N}_w{W}[_prep{P}] ("tiles" when no grid
+    is named; "vmajor": the state transposed in the pool, [D_v, D_k], so the D_k reductions run along the contiguous
+    axis; "prep": the split pair's prep-launch warps)."""
+    parts = name.split("_")
+    kw = {"grid": "split" if parts[0] == "split" else "tiles"}
+    for p in parts:
+        if p == "vmajor":
+            kw["v_major"] = True
+        for prefix, key in (("bv", "bv"), ("w", "num_warps"), ("prep", "prep_num_warps")):
+            if p.startswith(prefix) and p[len(prefix):].isdigit():
+                kw[key] = int(p[len(prefix):])
+    return kw
+
+
+DECODE_VARIANTS = {"triton": {"v_major": True}, "split_kmajor": {"grid": "split"}} | {n: decode_variant(n) for n in (
+    "tiles_bv16_w1 tiles_bv32_w2 tiles_bv32_w4 tiles_bv64_w2 tiles_bv64_w4 tiles_bv64_w8 tiles_bv128_w8 "
+    "vmajor_bv16_w1 vmajor_bv16_w2 vmajor_bv32_w1 vmajor_bv32_w2 vmajor_bv32_w4 vmajor_bv64_w2 vmajor_bv64_w4 "
+    "vmajor_bv64_w8 vmajor_bv128_w8 "
+    "split_bv16_w1 split_bv16_w2 split_bv32_w2 split_bv32_w4 split_bv64_w4 split_bv64_w4_prep1 split_bv64_w4_prep2 "
+    "split_bv128_w8 split_vmajor_bv16_w1 split_vmajor_bv32_w1 split_vmajor_bv32_w2 split_vmajor_bv64_w2 "
+    "split_vmajor_bv64_w4 split_vmajor_bv128_w4 split_vmajor_bv128_w8").split()}
 PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_bv32": {"bv": 32},
                     "triton_inv8": {"inv_num_warps": 8},
                     # the inverse's forward substitution is a chain of reductions over 16 x 16 blocks: within one
