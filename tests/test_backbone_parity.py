@@ -36,6 +36,12 @@ def forward_logits(model, rows, cache, lengths, fresh=False):
     return model.full_logits(h), cache
 
 
+@nnx.jit(static_argnames=("fresh", "backends"))
+def forward_with(model, rows, cache, lengths, fresh, backends):
+    """model.forward under jit, for tests that compare backends (one compile per shape and backend set)."""
+    return model.forward(rows, cache, lengths, fresh=fresh, backends=backends)
+
+
 def jax_logits(model, rows, lengths, max_len=128, dtype=jnp.float32):
     cache = init_cache(model.cfg.text, rows.shape[0], max_len, dtype)
     logits, cache = forward_logits(model, jnp.asarray(rows), cache, jnp.asarray(lengths, jnp.int32), fresh=True)
@@ -313,15 +319,13 @@ def test_gdn_kernels_in_the_model_on_the_v_major_cache(jax_fp32, tiny_cfg, monke
     rows = jnp.asarray(random_rows(tiny_cfg, 2, 6, seed=9, semantic_from=3))
     nxt = jnp.asarray(random_rows(tiny_cfg, 2, 2, seed=10, semantic_from=0))
     lengths = jnp.asarray([6, 4], jnp.int32)
-    fwd = nnx.jit(lambda m, r, c, n, fresh, b: m.forward(r, c, n, fresh=fresh, backends=b),
-                  static_argnames=("fresh", "b"))
     out = []
     for b in (Backends(), dataclasses.replace(Backends(), gdn_prefill="pallas_triton", gdn_decode="pallas_triton")):
         cache = init_cache(jax_fp32.cfg.text, 2, 32, jnp.float32)
-        h, cache = fwd(jax_fp32, rows, cache, lengths, fresh=True, b=b)
+        h, cache = forward_with(jax_fp32, rows, cache, lengths, True, b)
         hs = [h]
         for s in range(2):
-            h1, cache = fwd(jax_fp32, nxt[:, s:s + 1], cache, jnp.ones((2,), jnp.int32), fresh=False, b=b)
+            h1, cache = forward_with(jax_fp32, nxt[:, s:s + 1], cache, jnp.ones((2,), jnp.int32), False, b)
             hs.append(h1)
         out.append(([np.asarray(x) for x in hs], [np.asarray(s) for s in cache.ssm]))
     t = jax_fp32.cfg.text
