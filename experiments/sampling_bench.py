@@ -10,7 +10,8 @@ Variants (streams B = 1, 32, 128, 256):
   reference   kernels/sampling/reference.py under jax.jit (sort + searchsorted filters, full-row Gumbel noise)
   batched     main kernel (B programs) + one head kernel launch over the 9B head rows (2 launches)
   per_head    main kernel + 9 head-kernel launches of B rows each, as frame_step issues them (10 launches; through
-              drama3_jax.sampling: one XLA op for the frame keys, the kernels fold each draw id in)
+              drama3_jax.sampling: one XLA op for the frame keys, the kernels fold each draw id in; each head's
+              logits a separate [B, 4096] array, as the tower's head projections produce them)
   per_head_xla_keys  the same launches with the draw keys derived by XLA first (one fused op), as before
   keys_only   the key derivation alone (included in batched and per_head_xla_keys)
 plus, at B = 128, tuning variants of the batched kernels (num_warps, candidate cap).
@@ -71,10 +72,17 @@ def make_inputs(jax, jnp, np, B, seed):
     main = (rng.normal(size=(B, BAND + 1)) * 2.5).astype(np.float32)
     heads = (rng.normal(size=(B, HEADS, V_HEAD)) * 2.0).astype(np.float32)
     recent = rng.integers(SEM_START, SEM_START + BAND, (B, WINDOW)).astype(np.int32)
-    return dict(main=jnp.asarray(main), heads=jnp.asarray(heads), recent=jnp.asarray(recent),
-                temperature=jnp.asarray(rng.uniform(0.7, 1.0, B), jnp.float32),
-                top_p=jnp.full((B,), 0.9, jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
-                req=jnp.stack([jax.random.PRNGKey(int(s)) for s in rng.integers(0, 2 ** 31, B)]).astype(jnp.uint32))
+    return with_head_rows(dict(
+        main=jnp.asarray(main), heads=jnp.asarray(heads), recent=jnp.asarray(recent),
+        temperature=jnp.asarray(rng.uniform(0.7, 1.0, B), jnp.float32),
+        top_p=jnp.full((B,), 0.9, jnp.float32), top_k=jnp.zeros((B,), jnp.int32),
+        req=jnp.stack([jax.random.PRNGKey(int(s)) for s in rng.integers(0, 2 ** 31, B)]).astype(jnp.uint32)))
+
+
+def with_head_rows(inp):
+    """inp plus "head_rows": the 9 heads' logits as separate contiguous [B, V] arrays, as the tower's head projections
+    deliver them to frame_step (slicing [B, 9, V] inside the step would add 9 strided copies the model never runs)."""
+    return dict(inp, head_rows=tuple(inp["heads"][:, h] for h in range(HEADS)))
 
 
 def make_hard_inputs(jax, jnp, np, B, seed):
@@ -94,7 +102,7 @@ def make_hard_inputs(jax, jnp, np, B, seed):
     inp.update(main=jnp.asarray(main, jnp.float32), heads=jnp.asarray(heads, jnp.float32),
                recent=jnp.asarray(recent), top_k=jnp.asarray(np.where(r == 3, 200, 0), jnp.int32),
                top_p=jnp.asarray(rng.choice([0.9, 0.95, 0.7, 1.0], B), jnp.float32))
-    return inp
+    return with_head_rows(inp)
 
 
 def build(jax, jnp, variant, **kw):
@@ -115,7 +123,7 @@ def build(jax, jnp, variant, **kw):
         T, P, K = inp["temperature"], inp["top_p"], inp["top_k"]
         main = S.sample_main(fkeys, inp["main"], T, P, K, inp["recent"], semantic_start=SEM_START, eos_token_id=EOS,
                              backend=backend, **kw.get("main", {}))
-        codes = jnp.stack([S.sample_head(fkeys, h, inp["heads"][:, h], T, P, K, backend=backend,
+        codes = jnp.stack([S.sample_head(fkeys, h, inp["head_rows"][h], T, P, K, backend=backend,
                                          **kw.get("rows", {})) for h in range(HEADS)], axis=1)
         return main, codes
 
@@ -138,7 +146,7 @@ def build(jax, jnp, variant, **kw):
                                         rep(T), rep(P), rep(hk), keep_crossing=False, backend=backend,
                                         **kw.get("rows", {})).reshape(B, HEADS)
         else:
-            codes = jnp.stack([api.sample_filtered(ks[:, 2 + h], inp["heads"][:, h], T, P, hk, keep_crossing=False,
+            codes = jnp.stack([api.sample_filtered(ks[:, 2 + h], inp["head_rows"][h], T, P, hk, keep_crossing=False,
                                                    backend=backend, **kw.get("rows", {}))
                                for h in range(HEADS)], axis=1)
         return main, codes
