@@ -332,7 +332,8 @@ PROFILE_VARIANTS = [   # (name, variant, kernel kwargs): per-head launch shape t
     ("per_head_xla_keys", "per_head_xla_keys", {}),
     ("per_head rows_w4", "per_head", {"rows": {"num_warps": 4}}),
     ("per_head rows_w16", "per_head", {"rows": {"num_warps": 16}}),
-    ("per_head rows_g64", "per_head", {"rows": {"groups": 64}}),
+    ("per_head rows_g128", "per_head", {"rows": {"groups": 128}}),   # the default above 132 rows (one_wave_rows_max)
+    ("per_head rows_w16,g64", "per_head", {"rows": {"num_warps": 16, "groups": 64}}),
     ("per_head rows_c32", "per_head", {"rows": {"cand": 32}}),
     ("per_head main_w8", "per_head", {"main": {"num_warps": 8}}),
     ("per_head main_c64", "per_head", {"main": {"cand": 64}}),

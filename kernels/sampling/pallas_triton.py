@@ -72,9 +72,14 @@ P_BISECT_MAX_TOP_P = 0.9999
 #   noise_rows: tile rows per chunk of the full-row noise (bounds the hash's registers);
 #   fold_rows_max (rows only): the draw id is folded in-kernel up to this many rows, by one XLA op first above it (the
 #   fold costs registers: 9 head launches of 128 rows were faster folded in-kernel, of 256 rows 130 us against 86 us,
-#   experiments/results/sampling_2026-12-02/3_frame_keys).
+#   experiments/results/sampling_2026-12-02/3_frame_keys);
+#   one_wave_groups / one_wave_rows_max (rows only): G for launches of at most that many rows (one program per SM on
+#   the H200's 132: the launch lasts one program's latency, and 64 groups shorten it, 9 head launches 58.5 against
+#   62.9 us at 128 rows in sampling_2026-12-02/4_fold_threshold), "groups" above (64 groups compile to ~180-210
+#   registers against ~128, one CTA per SM instead of two, so 256 rows would take two waves).
 TUNING = {
-    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4, "fold_rows_max": 128},
+    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4, "fold_rows_max": 128,
+             "one_wave_groups": 64, "one_wave_rows_max": 132},
     "main": {"num_warps": 16, "groups": 128, "cand": 128, "p_bisect": 12, "noise_rows": 8},
 }
 
@@ -449,6 +454,8 @@ def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_cros
     B, V = logits.shape
     if draw is not None and B > cfg["fold_rows_max"]:
         keys, draw = fold_draw(keys, draw), None
+    if groups is None and B <= cfg["one_wave_rows_max"]:
+        cfg["groups"] = cfg["one_wave_groups"]
     N, G = _geometry(V, cfg["groups"])
     C = min(_next_pow2(cfg["cand"]), N)
     kern = functools.partial(_rows_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], RC=_rc(N, G, cfg),

@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from scipy.stats import chisquare
 
 from drama3_jax import sampling as S
@@ -104,13 +105,14 @@ def test_gumbel_at_is_bit_identical_to_jax_random():
 
 
 # ------------------------------------------------------------------------------------------------ exact equality
-def test_rows_kernel_equals_reference_both_modes_both_paths():
+@pytest.mark.parametrize("groups", [None, 128])   # None: the one-wave default (64 groups at 48 rows)
+def test_rows_kernel_equals_reference_both_modes_both_paths(groups):
     rng = np.random.default_rng(1)
     seen_paths = set()
     for crossing in (True, False):
         logits, T, P, K = _rows_batch(rng)
         keys = _keys(rng.integers(0, 2 ** 31, B_ROWS))
-        got, path = _rows_fn(crossing)(keys, logits, T, P, K)
+        got, path = _rows_fn(crossing, groups=groups)(keys, logits, T, P, K)
         want = _ref_rows_fn(crossing)(keys, logits, T, P, K)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         seen_paths |= set(np.asarray(path).tolist())
