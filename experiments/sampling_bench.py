@@ -336,7 +336,7 @@ PROFILE_VARIANTS = [   # (name, variant, kernel kwargs): per-head launch shape t
     ("per_head rows_w16,g64", "per_head", {"rows": {"num_warps": 16, "groups": 64}}),
     ("per_head rows_c32", "per_head", {"rows": {"cand": 32}}),
     ("per_head main_w8", "per_head", {"main": {"num_warps": 8}}),
-    ("per_head main_c64", "per_head", {"main": {"cand": 64}}),
+    ("per_head main_c128", "per_head", {"main": {"cand": 128}}),   # the main candidate cap before 2026-12-03
 ]
 
 

@@ -80,7 +80,9 @@ P_BISECT_MAX_TOP_P = 0.9999
 TUNING = {
     "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4, "fold_rows_max": 128,
              "one_wave_groups": 64, "one_wave_rows_max": 132},
-    "main": {"num_warps": 16, "groups": 128, "cand": 128, "p_bisect": 12, "noise_rows": 8},
+    # main cand 64: 30.3 against 32.8 us for the main launch at 128 rows, same call (sampling_2026-12-03/), and 111.1
+    # against 114.1 us for the step in sampling_2026-12-02/
+    "main": {"num_warps": 16, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 8},
 }
 
 
