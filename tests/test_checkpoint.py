@@ -150,26 +150,27 @@ def test_converter_memory_stays_bounded(tmp_path):
 
 
 def test_one_directory_holds_all_three_parts(tmp_path, tiny_cfg, capsys):
-    """make_tiny_checkpoint + convert_checkpoint CLIs: talker, codec and tokenizer come back from drama3_jax.load; a
+    """make_tiny_checkpoint (its main) + the convert_checkpoint CLI: talker, codec and tokenizer come back from drama3_jax.load; a
     missing codec file is exit status 1 with its path in the message (the CLI's main, in this process)."""
     import subprocess
     import sys
 
     from drama3_jax.generate import generate
 
+    from scripts import convert_checkpoint, make_tiny_checkpoint
+
     hf, out = tmp_path / "hf", tmp_path / "orbax"
-    run = lambda *a: subprocess.run([sys.executable, "-m", *a], check=True, capture_output=True, text=True)
-    run("scripts.make_tiny_checkpoint", "--out", str(hf), "--seed", "3")
+    make_tiny_checkpoint.main(["--out", str(hf), "--seed", "3"])  # in-process; the converter below as users run it
     assert (hf / "codec.pth").exists() and (hf / "tokenizer.json").exists()
-    assert "converted" in run("scripts.convert_checkpoint", "--hf-dir", str(hf), "--out", str(out)).stdout
+    conv = subprocess.run([sys.executable, "-m", "scripts.convert_checkpoint", "--hf-dir", str(hf), "--out", str(out)],
+                          check=True, capture_output=True, text=True)
+    assert "converted" in conv.stdout
     tts = drama3_jax.load(out)
     assert tts.cfg == tiny_cfg and tts.codec is not None and tts.tokenizer is not None
     codes = generate(tts.talker, tts.tokenizer, "All three parts.", seed=0, max_new_frames=6)
     codes = np.minimum(codes, np.array(tts.codec.cfg.codebook_sizes)[:, None] - 1)
     audio = tts.codec.decode(codes)
     assert audio.shape == (codes.shape[1] * tts.codec.frame_length,) and np.isfinite(audio).all()
-    from scripts import convert_checkpoint
-
     capsys.readouterr()
     status = convert_checkpoint.main(["--hf-dir", str(hf), "--out", str(tmp_path / "x"), "--codec",
                                       str(tmp_path / "missing.pth")])

@@ -153,7 +153,7 @@ def test_frame_step_over_a_pool_prefix_equals_the_prefix_alone(model, tok):
     for i, p in enumerate(prompts):
         rows[i, :len(p)] = p
     pool = prefill(rows, lengths, RequestSampling.make(params, seeds))
-    pair = prefill(rows[:2], lengths[:2], RequestSampling.make(params[:2], seeds[:2]))
+    pair = jax.tree.map(lambda x: x[:2], pool)  # a 2-row batch of the first two prompts (rows are independent)
     step_prefix = jax.jit(lambda s: frame_step_prefix(model, s, 2))
     step_pair = jax.jit(lambda s: frame_step(model, s))
     before = jax.tree.map(lambda x: np.asarray(x[2:]), pool)
