@@ -11,9 +11,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # the suite (23.9 vs 23.7 min: the tests compile few identical executables); it only speeds up repeated local runs
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
-# The suite runs as 2 xdist workers on 2 cores (Makefile): single-threaded Eigen in each worker keeps them from
-# oversubscribing the cores (tests/test_generate.py + tests/test_tower.py under -n 2: 165 s against 194 s)
-os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
 
 import numpy as np
 import pytest
