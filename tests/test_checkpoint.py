@@ -150,13 +150,13 @@ def test_converter_memory_stays_bounded(tmp_path):
 
 
 def test_one_directory_holds_all_three_parts(tmp_path, tiny_cfg, capsys):
-    """make_tiny_checkpoint (its main) + the convert_checkpoint CLI: talker, codec and tokenizer come back from drama3_jax.load; a
-    missing codec file is exit status 1 with its path in the message (the CLI's main, in this process)."""
+    """make_tiny_checkpoint (its main) + the convert_checkpoint CLI: talker, codec and tokenizer come back from
+    drama3_jax.load; a missing codec file is exit status 1 with its path in the message (the CLI's main, in this
+    process)."""
     import subprocess
     import sys
 
     from drama3_jax.generate import generate
-
     from scripts import convert_checkpoint, make_tiny_checkpoint
 
     hf, out = tmp_path / "hf", tmp_path / "orbax"
