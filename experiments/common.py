@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import sys
@@ -38,3 +40,19 @@ def guard(errors: list, name: str, fn, *a, **k):
         traceback.print_exc(limit=4)
         errors.append(msg)
         return None
+
+
+def patched(patches) -> contextlib.ExitStack:
+    """Apply (module, attr, key, value) patches until the returned stack is closed: key None replaces the module
+    attribute by value; else the dict attribute's entry `key` is updated with the dict `value`. A jitted function
+    must be traced while they hold (after jax.clear_caches() when it was traced before)."""
+    from unittest import mock
+    stack = contextlib.ExitStack()
+    for module, attr, key, value in patches:
+        mod = importlib.import_module(module)
+        if key is None:
+            stack.enter_context(mock.patch.object(mod, attr, value))
+        else:
+            table = getattr(mod, attr)
+            stack.enter_context(mock.patch.dict(table, {key: table[key] | value}))
+    return stack

@@ -22,14 +22,12 @@ import contextlib
 import dataclasses
 import glob
 import gzip
-import importlib
 import json
 import os
 import re
 import sys
 import time
 from collections import defaultdict
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +42,7 @@ from drama3_jax.generate import DecodeState, RequestSampling, frame_step_prefix
 from drama3_jax.model import ModelCache, init_model_cache
 from drama3_jax.random_init import random_talker
 from drama3_jax.sampling import RAS_WINDOW, SamplingParams
-from experiments.common import command_line, log, save_json
+from experiments.common import command_line, log, patched, save_json
 
 HBM_BPS, PEAK_FLOPS = 4.2e12, 780e12  # measured on the H200 (../shared/docs/h200-baselines.md)
 VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Model.fuse_projections)
@@ -371,15 +369,7 @@ def main(argv=None):
 
 def variant_patches(variant: str) -> contextlib.ExitStack:
     """Apply the variant's PATCHES (undone by closing the returned stack); the step is traced while they hold."""
-    stack = contextlib.ExitStack()
-    for module, attr, key, value in PATCHES.get(variant, (None, []))[1]:
-        mod = importlib.import_module(module)
-        if key is None:
-            stack.enter_context(mock.patch.object(mod, attr, value))
-        else:
-            table = getattr(mod, attr)
-            stack.enter_context(mock.patch.dict(table, {key: table[key] | value}))
-    return stack
+    return patched(PATCHES.get(variant, (None, []))[1])
 
 
 def write_plot(R: dict, path: str):

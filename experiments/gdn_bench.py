@@ -75,7 +75,13 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     # the inverse's forward substitution is a chain of reductions over 16 x 16 blocks: within one
                     # warp they need no shared-memory round trip
                     "triton_inv1": {"inv_num_warps": 1}, "triton_inv2": {"inv_num_warps": 2},
-                    "triton_wu4": {"wu_num_warps": 4}}
+                    "triton_wu4": {"wu_num_warps": 4}, "triton_bv16": {"bv": 16},
+                    # o out of the sequential walk (h and v_new stored, a parallel output launch)
+                    "triton_osplit": {"separate_output": True},
+                    "triton_osplit_bv16": {"separate_output": True, "bv": 16},
+                    "triton_osplit_bv64": {"separate_output": True, "bv": 64},
+                    "triton_osplit_w2": {"separate_output": True, "num_warps": 2},
+                    "triton_osplit_ow8": {"separate_output": True, "out_num_warps": 8}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}

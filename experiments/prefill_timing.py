@@ -15,6 +15,8 @@ one warm-up call, a new batch of prompts each call. Variants:
             prompts in a later call when they would not fit it)
   packed_xla_attention  packed, with XLA's attention for the prompt rows instead of the flash prefill kernel
             (attention backend "pallas_triton_decode")
+  packed_gdn_osplit  packed, with the GDN prefill's output computed by its own launch after the state walk
+            (kernels/gdn TUNING["prefill_state"]["separate_output"], patched while the call is traced)
 The roofline of a call is the larger of (every weight read once) / 4.2 TB/s and (2 x active parameters x valid
 rows) / 780 TFLOP/s; attention and the GDN recurrence are not counted. With --profile-calls N > 0, N more calls
 run under the profiler: GPU kernel time per call by category (the decode profile's name scopes:
@@ -45,7 +47,7 @@ from drama3_jax.prompt import build_prompt
 from drama3_jax.random_init import random_talker
 from drama3_jax.sampling import SamplingParams
 from drama3_jax.tokenizer import load_tokenizer, write_synthetic_tokenizer
-from experiments.common import command_line, guard, log, save_json
+from experiments.common import command_line, guard, log, patched, save_json
 from experiments.decode_profile import profile_calls
 from serving.bench.dataset import synthetic
 from serving.engine import EngineConfig
@@ -57,6 +59,12 @@ def variants(cfg) -> dict[str, Backends]:
     base = dataclasses.replace(Backends.auto(), moe_activations=default_moe_activations(cfg))
     return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False), "packed": base,
             "packed_xla_attention": dataclasses.replace(base, attention="pallas_triton_decode")}
+
+
+# variants that are another variant with module tables patched while traced: name -> (base, experiments.common.patched
+# patches)
+PATCHES = {"packed_gdn_osplit": ("packed", [("kernels.gdn.pallas_triton", "TUNING", "prefill_state",
+                                              {"separate_output": True})])}
 
 
 def packed_call(lengths: np.ndarray, start: int, batch: int, max_rows: int, max_lanes: int) -> np.ndarray:
@@ -195,7 +203,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--variants", nargs="+", default=["default", "no_skip", "packed"],
-                    choices=["default", "no_skip", "packed", "packed_xla_attention"])
+                    choices=["default", "no_skip", "packed", "packed_xla_attention"] + sorted(PATCHES))
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--lane-rows", type=int, nargs="+", default=[EngineConfig.prefill_lane_rows],
                     help="packed variant: one row per value of the engine's prefill_lane_rows (lanes = rows // it)")
@@ -219,13 +227,16 @@ def main(argv=None):
     packed = lambda name: name.startswith("packed")
     runs = [(name, lr) for name in args.variants for lr in (args.lane_rows if packed(name) else [0])]
     for name, lane_rows in runs:
-        backends = variants(cfg)[name]
+        base, patches = PATCHES.get(name, (name, []))
+        backends = variants(cfg)[base]
         for b in args.batch:
             row = {"variant": name + (f"_lanes{lane_rows}" if packed(name) and len(args.lane_rows) > 1 else ""),
-                   "batch": b, "backends": dataclasses.asdict(backends)}
-            res = guard(errors, f"{name} batch {b}", time_variant, model, cfg, backends, b, args.chunk, lengths,
-                        args.calls, args.max_len, args.profile_calls, os.path.join(args.out, f"trace_{name}_{b}"),
-                        packed(name), lane_rows or EngineConfig.prefill_lane_rows)
+                   "batch": b, "backends": dataclasses.asdict(backends), "patches": repr(patches)}
+            jax.clear_caches()  # every variant traces afresh (a patched table is read while tracing)
+            with patched(patches):
+                res = guard(errors, f"{name} batch {b}", time_variant, model, cfg, backends, b, args.chunk, lengths,
+                            args.calls, args.max_len, args.profile_calls, os.path.join(args.out, f"trace_{name}_{b}"),
+                            packed(name), lane_rows or EngineConfig.prefill_lane_rows)
             if res is None:
                 row["error"] = errors[-1][:200]
             else:

@@ -77,8 +77,11 @@ TUNING = {
     # 2026-12-02, results/prefill_gdn_2026-12-02/: one layer at B=8, T=384 0.320 ms against 0.377 with 4 warps and
     # 0.328 with 2; T=1024: 0.755 against 0.914 at B=8, 0.141 against 0.155 at B=1)
     "prefill_prep": {"inv_num_warps": 1, "wu_num_warps": 8, "num_stages": 1},
+    # separate_output: the walk keeps only the S chain's two dots and stores h / v_new; a parallel launch per
+    # chunk computes o (out_num_warps). 7-11% slower at every shape measured (H200, 2026-12-03, 1 x 4096: 0.465
+    # against 0.433 ms; results/gdn_prefill_osplit_2026-12-03/), so it is off: an ablation switch
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
-                      "num_stages": 2, "static_loop": True},
+                      "num_stages": 2, "static_loop": True, "separate_output": False, "out_num_warps": 4},
     "prefill": {"dot": "bfloat16"},
 }
 CHUNK = 64     # rows per chunk (prefill)
@@ -465,11 +468,16 @@ def _dot_nt(a, b, mode):
 
 
 def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *rest, dk, bv, nc, dot, has_init,
-                  static_loop):
+                  static_loop, separate_output):
     """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers:
-    v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new. Writes o on the sequence's rows only."""
+    v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new. Writes o on the sequence's rows only.
+    separate_output: o is left to `_output_kernel`; the walk stores each chunk's entering state S (h) and v_new
+    instead (in the dot operand dtype, which is what the o dots would round them to), so only the two dots of the
+    S chain stay in the sequential loop (FLA's chunk_fwd_h / chunk_fwd_o split)."""
     if has_init:
-        s0_ref, o_ref, st_ref = rest
+        s0_ref, *rest = rest
+    if separate_output:
+        h_ref, vn_ref, st_ref = rest
     else:
         o_ref, st_ref = rest
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -492,16 +500,20 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
             ld = lambda ref, n, dt: ref[...].astype(dt)
         opdt = _DOT_DTYPE[dot]
         w = ld(w_ref.at[bi, h, rows, :], dk, opdt)
-        qg = ld(qg_ref.at[bi, h, rows, :], dk, opdt)
         kg = ld(kg_ref.at[bi, h, rows, :], dk, opdt)
-        aqk = ld(aqk_ref.at[bi, h, rows, :], CHUNK, opdt)
         u = ld(u_ref.at[bi, h, rows, cols], bv, f32)
         dl = dl_ref[bi, h, c]
         v_new = u - _dot(w, S, dot)
-        o = _dot(qg, S, dot) + _dot(aqk, v_new, dot)
+        if separate_output:
+            h_ref[bi, h, c, :, cols] = S.astype(h_ref.dtype)
+            vn_ref[bi, h, rows, cols] = v_new.astype(vn_ref.dtype)
+        else:
+            qg = ld(qg_ref.at[bi, h, rows, :], dk, opdt)
+            aqk = ld(aqk_ref.at[bi, h, rows, :], CHUNK, opdt)
+            o = _dot(qg, S, dot) + _dot(aqk, v_new, dot)
+            plt.store(o_ref.at[pl.ds(off + t0, CHUNK), h, cols], o,
+                      mask=jnp.broadcast_to(((t0 + cr) < L)[:, None], (CHUNK, bv)))
         S = dl * S + _dot(kg, v_new, dot, trans_a=True)
-        plt.store(o_ref.at[pl.ds(off + t0, CHUNK), h, cols], o,
-                  mask=jnp.broadcast_to(((t0 + cr) < L)[:, None], (CHUNK, bv)))
         return S
 
     # static: a fixed trip count (scf.for: Triton can software-pipeline the loads); else only the live chunks
@@ -509,11 +521,27 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
     st_ref[bi, h, :, cols] = S
 
 
+def _output_kernel(len_ref, off_ref, qg_ref, aqk_ref, h_ref, vn_ref, o_ref, *, dot):
+    """Per (sequence, value head, chunk), after the state walk: o = qg h + Aqk v_new on the chunk's live rows."""
+    bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    L = len_ref[bi]
+    t0 = c * CHUNK
+
+    @pl.when(t0 < L)
+    def _():
+        cr = jnp.arange(CHUNK, dtype=jnp.int32)
+        rows = pl.ds(t0, CHUNK)
+        o = _dot(qg_ref[bi, h, rows, :], h_ref[bi, h, c], dot) + _dot(aqk_ref[bi, h, rows, :], vn_ref[bi, h, rows, :],
+                                                                      dot)
+        plt.store(o_ref.at[pl.ds(off_ref[bi] + t0, CHUNK), h, :], o,
+                  mask=jnp.broadcast_to(((t0 + cr) < L)[:, None], o.shape))
+
+
 def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool = False, *,
                    dot=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
-                   inv_num_warps=None, wu_num_warps=None):
+                   inv_num_warps=None, wu_num_warps=None, separate_output=None, out_num_warps=None):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
-    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches. Returns (o [N, H_v, D_v] fp32,
+    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches, four with separate_output. Returns (o [N, H_v, D_v] fp32,
     written on those rows only; final_state [B, H_v, D_k, D_v] fp32). Tuning overrides: see TUNING ("prefill",
     "prefill_state", "prefill_prep")."""
     pd = _params("prefill", dict(dot=dot))
@@ -527,7 +555,8 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     offsets = offsets.astype(jnp.int32)
     has_init = initial_state is not None
     out_shape = (jax.ShapeDtypeStruct((N, hv, dv), f32), jax.ShapeDtypeStruct((B, hv, dk, dv), f32))
-    ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
+    ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages,
+                                       separate_output=separate_output, out_num_warps=out_num_warps))
     pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps))
     nc = pl.cdiv(seq_len, CHUNK)
     tp = nc * CHUNK
@@ -555,15 +584,31 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
         grid=(B, hv, nc), compiler_params=pwu, interpret=interpret, name="gdn_prefill_wu",
     )(lengths, offsets, q, k, v, g, beta, xinv)
     args = (lengths, offsets, w, u, qg, kg, aqk, dl) + ((initial_state,) if has_init else ())
-    return pl.pallas_call(
+    separate = ps["separate_output"]
+    if separate:  # the walk stores h [B, H_v, chunks, D_k, D_v] and v_new; o comes from _output_kernel
+        out_shape = (jax.ShapeDtypeStruct((B, hv, nc, dk, dv), opdt), jax.ShapeDtypeStruct((B, hv, tp, dv), opdt),
+                     out_shape[1])
+    walk = pl.pallas_call(
         functools.partial(_state_kernel, dk=dk, bv=bv_, nc=nc, dot=dot, has_init=has_init,
-                          static_loop=ps["static_loop"]),
+                          static_loop=ps["static_loop"], separate_output=separate),
         out_shape=out_shape,
         grid=(B, hv, dv // bv_),
         compiler_params=plt.CompilerParams(num_warps=ps["num_warps"], num_stages=ps["num_stages"]),
         interpret=interpret,
         name="gdn_prefill_state",
     )(*args)
+    if not separate:
+        return walk
+    h, vn, final_state = walk
+    o = pl.pallas_call(
+        functools.partial(_output_kernel, dot=dot),
+        out_shape=jax.ShapeDtypeStruct((N, hv, dv), f32),
+        grid=(B, hv, nc),
+        compiler_params=plt.CompilerParams(num_warps=ps["out_num_warps"], num_stages=1),
+        interpret=interpret,
+        name="gdn_prefill_output",
+    )(lengths, offsets, qg, aqk, h, vn)
+    return o, final_state
 
 
 def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengths=None, *, interpret: bool = False,

@@ -89,10 +89,10 @@ def decode_inputs(seed, slots_total, B, hk, hv, dk, dv, K=4, state_dtype=f32, x_
 
 
 # ------------------------------------------------------------------------------------------------ prefill
-@pytest.mark.parametrize("variant", ["dynamic", "static"])
+@pytest.mark.parametrize("variant", ["dynamic", "static", "separate_output"])
 def test_prefill_ragged_matches_recurrence(variant):
     """Lengths 1, 63, 64, 65, 300 in one right-padded batch, initial state carried in, NaN garbage past lengths;
-    the kernels with a dynamic or a static chunk loop in the state pass."""
+    the kernels with a dynamic or a static chunk loop in the state pass, or with o left to its own launch."""
     B, T, hk, hv, dk, dv = 5, 300, 1, 2, 32, 32
     if variant == "static":  # the static trip-count variant is slower to interpret: a shorter batch
         T, lengths = 130, jnp.array([1, 63, 64, 65, 130], jnp.int32)
@@ -100,7 +100,7 @@ def test_prefill_ragged_matches_recurrence(variant):
         lengths = jnp.array([1, 63, 64, 65, 300], jnp.int32)
     q, k, v, g, beta, s0 = prefill_inputs(0, B, T, hk, hv, dk, dv)
     o, st = kernel_prefill(*(nan_pad(x, lengths) for x in (q, k, v, g, beta)), s0, lengths, dot="float32", bv=16,
-                           static_loop=variant == "static")
+                           static_loop=variant == "static", separate_output=variant == "separate_output")
     o_ref, st_ref = ref_recurrent(q, k, v, g, beta, s0, lengths)
     assert o.shape == (B, T, hv, dv) and o.dtype == f32 and st.shape == (B, hv, dk, dv) and st.dtype == f32
     assert not bool(jnp.isnan(o).any()) and not bool(jnp.isnan(st).any())
@@ -112,9 +112,11 @@ def test_prefill_ragged_matches_recurrence(variant):
         assert rel(st[i], st_ref[i]) <= 2e-5, i
 
 
-def test_prefill_packed_reads_each_sequence_in_place():
+@pytest.mark.parametrize("separate_output", [False, True])
+def test_prefill_packed_reads_each_sequence_in_place(separate_output):
     """Sequences of 65, 1, 64 and 63 rows packed end to end, NaN garbage in the padding rows, an empty lane, one
-    initial state per lane: each sequence's rows and final state equal the recurrence alone; rows outside are 0."""
+    initial state per lane: each sequence's rows and final state equal the recurrence alone; rows outside are 0.
+    Both with o computed in the state walk and in its own launch."""
     hk, hv, dk, dv, T, N = 1, 2, 32, 32, 65, 220
     lengths = np.array([65, 1, 64, 63, 0], np.int32)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
@@ -123,7 +125,7 @@ def test_prefill_packed_reads_each_sequence_in_place():
     s0 = prefill_inputs(10, len(lengths), 1, hk, hv, dk, dv)[5]
     used = int(lengths.sum())
     garbage = lambda x: x.at[:, used:].set(jnp.nan)
-    run = _jitted("packed", (("dot", "float32"), ("seq_len", T)))
+    run = _jitted("packed", (("dot", "float32"), ("separate_output", separate_output), ("seq_len", T)))
     o, st = run(*map(garbage, (q, k, v, g, beta)), s0, jnp.asarray(lengths), jnp.asarray(offsets))
     assert o.shape == (1, N, hv, dv) and st.shape == (len(lengths), hv, dk, dv)
     assert not bool(jnp.isnan(o).any()) and not bool((o[0, used:] != 0).any())
@@ -331,11 +333,13 @@ def test_triton_lowering_full_shapes_for_h200():
         assert txt.count("__gpu$xla.gpu.triton") == launches and "output_operand_aliases" in txt
         if grid != "tiles":  # "tiles" with slots shifts the conv pool in XLA
             assert "scatter" not in txt and "concatenate" not in txt  # no XLA op touches the pools
-    for dot in ("bfloat16", "tf32"):
+    for dot, separate in (("bfloat16", False), ("tf32", False), ("bfloat16", True)):
         txt = lower_for_h200(lambda q, k, v, g, be, s0, ln: pallas_triton.gated_delta_chunk_prefill_triton(
-            q, k, v, g, be, s0, ln, dot=dot), sd((B, T, hk, d), bf), sd((B, T, hk, d), bf), sd((B, T, hv, d), bf),
-            sd((B, T, hv), f32), sd((B, T, hv), f32), sd((B, hv, d, d), f32), sd((B,), jnp.int32))
-        assert txt.count("__gpu$xla.gpu.triton") == 3  # inverse, w/u operands, state pass
+            q, k, v, g, be, s0, ln, dot=dot, separate_output=separate), sd((B, T, hk, d), bf),
+            sd((B, T, hk, d), bf), sd((B, T, hv, d), bf), sd((B, T, hv), f32), sd((B, T, hv), f32),
+            sd((B, hv, d, d), f32), sd((B,), jnp.int32))
+        # inverse, w/u operands, state pass (+ the output launch)
+        assert txt.count("__gpu$xla.gpu.triton") == 3 + separate
     N = 2 * T  # packed: B sequences of at most T rows in 2T rows, read in place
     txt = lower_for_h200(lambda q, k, v, g, be, s0, ln, off: pallas_triton.gated_delta_packed_prefill_triton(
         q, k, v, g, be, s0, off, ln, seq_len=T), sd((1, N, hk, d), f32), sd((1, N, hk, d), f32),
