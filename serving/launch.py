@@ -21,6 +21,19 @@ from pathlib import Path
 log = logging.getLogger("serving")
 
 
+# Decode sizes for a full-size model: on the H200 at 128 streams, 172.3 / 172.1 audio s/s against 164.4 / 164.9 with
+# whole-pool steps in two pairs of runs (experiments/results/serve_bench_17/, serve_bench_18/)
+FULL_SIZE_DECODE_SIZES = (16, 32, 64)
+
+
+def resolve_decode_sizes(requested, max_streams: int, full_size: bool) -> tuple[int, ...]:
+    """--decode-sizes as given; when not given, FULL_SIZE_DECODE_SIZES below the pool for a full-size model and none
+    for the tiny one (whose extra compilations would only slow its start)."""
+    if requested is not None:
+        return tuple(requested)
+    return tuple(n for n in FULL_SIZE_DECODE_SIZES if n < max_streams) if full_size else ()
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="converted checkpoint directory (scripts/convert_checkpoint.py)")
@@ -56,9 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode steps between the codec calls that serve every playing stream")
     ap.add_argument("--codec-bridge", action=argparse.BooleanOptionalAction, default=False,
                     help="between periodic calls, give a new stream a second chunk when its first would run dry")
-    ap.add_argument("--decode-sizes", type=int, nargs="*", default=[],
+    ap.add_argument("--decode-sizes", type=int, nargs="*", default=None,
                     help="decode steps run over the first n slots, n the smallest of these (or --max-streams) above "
-                         "every occupied slot; each size compiles one more decode step (default: the whole pool)")
+                         "every occupied slot; each size compiles one more decode step (default: "
+                         f"{' '.join(map(str, FULL_SIZE_DECODE_SIZES))} below the pool for a full-size model, none "
+                         "for the tiny one; no values: always the whole pool)")
     ap.add_argument("--compact-slots", type=int, default=8,
                     help="with --decode-sizes: streams moved per step from slots above the smallest size that fits "
                          "them all into free slots below it (0: never)")
@@ -184,6 +199,9 @@ def main(argv=None):
     moe_activations = (default_moe_activations(talker.cfg) if args.moe_activations == "auto"
                        else args.moe_activations)
     log.info("routed experts: %s activations", moe_activations)
+    decode_sizes = resolve_decode_sizes(args.decode_sizes, args.max_streams,
+                                        full_size=bool(args.checkpoint) or args.random_weights == "full")
+    log.info("decode steps over %s slots", " / ".join(map(str, sorted(set(decode_sizes) | {args.max_streams}))))
     cfg = EngineConfig(max_streams=args.max_streams, max_queue=args.max_queue, max_prompt_rows=args.max_prompt_rows,
                        max_new_tokens=args.max_new_tokens, frames_per_step=args.frames_per_step,
                        prefill_batch_sizes=tuple(sorted(args.prefill_batch_sizes)), prefill_chunk=args.prefill_chunk,
@@ -193,7 +211,7 @@ def main(argv=None):
                        admit_guard_new_s=args.admit_guard_new_s,
                        codec_first_chunk=args.codec_first_chunk,
                        codec_chunk=args.codec_chunk, codec_batch_sizes=tuple(args.codec_batch_sizes),
-                       decode_sizes=tuple(args.decode_sizes), compact_slots=args.compact_slots,
+                       decode_sizes=decode_sizes, compact_slots=args.compact_slots,
                        codec_period=args.codec_period, codec_bridge=args.codec_bridge,
                        pipeline_depth=args.pipeline_depth, compile_threads=args.compile_threads,
                        stall_warn_s=args.stall_warn_s,
