@@ -199,9 +199,7 @@ def main(argv=None):
     moe_activations = (default_moe_activations(talker.cfg) if args.moe_activations == "auto"
                        else args.moe_activations)
     log.info("routed experts: %s activations", moe_activations)
-    decode_sizes = resolve_decode_sizes(args.decode_sizes, args.max_streams,
-                                        full_size=bool(args.checkpoint) or args.random_weights == "full")
-    log.info("decode steps over %s slots", " / ".join(map(str, sorted(set(decode_sizes) | {args.max_streams}))))
+    full_size = bool(args.checkpoint) or args.random_weights == "full"
     cfg = EngineConfig(max_streams=args.max_streams, max_queue=args.max_queue, max_prompt_rows=args.max_prompt_rows,
                        max_new_tokens=args.max_new_tokens, frames_per_step=args.frames_per_step,
                        prefill_batch_sizes=tuple(sorted(args.prefill_batch_sizes)), prefill_chunk=args.prefill_chunk,
@@ -211,7 +209,8 @@ def main(argv=None):
                        admit_guard_new_s=args.admit_guard_new_s,
                        codec_first_chunk=args.codec_first_chunk,
                        codec_chunk=args.codec_chunk, codec_batch_sizes=tuple(args.codec_batch_sizes),
-                       decode_sizes=decode_sizes, compact_slots=args.compact_slots,
+                       decode_sizes=resolve_decode_sizes(args.decode_sizes, args.max_streams, full_size=full_size),
+                       compact_slots=args.compact_slots,
                        codec_period=args.codec_period, codec_bridge=args.codec_bridge,
                        pipeline_depth=args.pipeline_depth, compile_threads=args.compile_threads,
                        stall_warn_s=args.stall_warn_s,

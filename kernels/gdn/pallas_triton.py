@@ -531,8 +531,8 @@ def _output_kernel(len_ref, off_ref, qg_ref, aqk_ref, h_ref, vn_ref, o_ref, *, d
     def _():
         cr = jnp.arange(CHUNK, dtype=jnp.int32)
         rows = pl.ds(t0, CHUNK)
-        o = _dot(qg_ref[bi, h, rows, :], h_ref[bi, h, c], dot) + _dot(aqk_ref[bi, h, rows, :], vn_ref[bi, h, rows, :],
-                                                                      dot)
+        o = (_dot(qg_ref[bi, h, rows, :], h_ref[bi, h, c], dot)
+             + _dot(aqk_ref[bi, h, rows, :], vn_ref[bi, h, rows, :], dot))
         plt.store(o_ref.at[pl.ds(off_ref[bi] + t0, CHUNK), h, :], o,
                   mask=jnp.broadcast_to(((t0 + cr) < L)[:, None], o.shape))
 
@@ -541,9 +541,9 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
                    dot=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
                    inv_num_warps=None, wu_num_warps=None, separate_output=None, out_num_warps=None):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
-    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches, four with separate_output. Returns (o [N, H_v, D_v] fp32,
-    written on those rows only; final_state [B, H_v, D_k, D_v] fp32). Tuning overrides: see TUNING ("prefill",
-    "prefill_state", "prefill_prep")."""
+    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches, four with separate_output.
+    Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v] fp32). Tuning
+    overrides: see TUNING ("prefill", "prefill_state", "prefill_prep")."""
     pd = _params("prefill", dict(dot=dot))
     dot = pd["dot"]
     N, hk, dk = q.shape
