@@ -49,6 +49,7 @@ from serving.bench.dataset import synthetic, warmup_requests  # noqa: E402
 from serving.bench.metrics import BYTES_PER_SAMPLE, Trace, average_rounds, round_summary  # noqa: E402
 from serving.api import ServerState, prepare_request  # noqa: E402
 from serving.engine import Engine, EngineConfig  # noqa: E402
+from serving.launch import resolve_decode_sizes  # noqa: E402
 from serving.metrics import freeze_heap_and_watch_gc  # noqa: E402
 from serving.protocol import SpeechRequest  # noqa: E402
 from serving.references import ReferenceResolver  # noqa: E402
@@ -100,9 +101,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
         1, c.max_streams * 3 // 4))),
     "pool_0.875x": ("slot pool = concurrency -> 7/8 of it", lambda c: dataclasses.replace(c, max_streams=max(
         1, c.max_streams * 7 // 8))),
-    "decode_sizes": ("decode step over the whole pool -> over the smallest of 1/2, 3/4 or all of it that covers the "
-                     "occupied slots", lambda c: dataclasses.replace(c, decode_sizes=(c.max_streams // 2,
-                                                                                      c.max_streams * 3 // 4))),
+    "whole_pool_steps": ("decode step over the smallest of serving.launch's decode sizes that covers the occupied "
+                         "slots -> always over the whole pool", lambda c: dataclasses.replace(c, decode_sizes=())),
     "gdn_ref": ("GDN Pallas kernels (prefill + decode) -> jnp reference", _backends(gdn_prefill="reference",
                                                                                     gdn_decode="reference")),
     "moe_xla": ("Pallas MoE -> XLA ragged_dot", _backends(moe="xla_ragged_dot")),
@@ -399,7 +399,9 @@ def main(argv=None):
                         backends=dataclasses.replace(Backends.auto(),
                                                      moe_activations=default_moe_activations(talker.cfg)),
                         encode_warmup="lazy",  # the synthetic set sends its references as codes: nothing to encode
-                        dtype=str(jnp.dtype(talker.lm_head.weight[...].dtype)), ssm_state_dtype="bfloat16")
+                        dtype=str(jnp.dtype(talker.lm_head.weight[...].dtype)), ssm_state_dtype="bfloat16",
+                        # the server's default for the model (serving.launch --decode-sizes not given)
+                        decode_sizes=resolve_decode_sizes(None, args.streams, full_size=args.preset == "full"))
     rows_needed = max(len(build_prompt(tok, mcfg, split_long_text(normalize_text(b["input"]))[0],
                                        [(np.asarray(b["ref_audio_codes"]), b["ref_text"])]))
                       for b in timed_bodies + warm_bodies)
