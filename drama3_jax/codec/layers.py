@@ -100,12 +100,9 @@ class CausalDepthwiseConv1d(nnx.Module):
 
 
 class CausalConvTranspose1d(nnx.Module):
-    """Transposed conv (kernel = taps * stride) with the last kernel - stride outputs trimmed, in polyphase form:
-    y[i*s + r] = bias + sum_h x[i - h] @ W[:, h*s + r, :], i.e. a valid conv of [context, x] with `taps` taps and
-    s * C_out output channels (tap j = taps - 1 - h), whose output rows [T, s * C_out] reshape to [T * s, C_out].
-    One conv reads the input once; the earlier form, a matmul over a [T, C_in, taps] stack of lagged copies,
-    materialised that stack (1.6 of 31.6 ms of the 128-stream x 8-frame codec call on the H200,
-    experiments/results/codec_profile_2026-12-04/). weight [C_in, k, C_out], bias [C_out]; context = taps - 1."""
+    """Transposed conv (kernel = taps * stride) with the last kernel - stride outputs trimmed, as a polyphase matmul:
+    y[i*s + r] = bias + sum_h x[i - h] @ W[:, h*s + r, :]. weight [C_in, k, C_out] (so [C_in * taps, s * C_out] is a
+    plain reshape), bias [C_out]; context = taps - 1 previous inputs."""
 
     def __init__(self, c_in: int, c_out: int, kernel: int, stride: int, *, dtype):
         if kernel % stride:
@@ -121,13 +118,12 @@ class CausalConvTranspose1d(nnx.Module):
     def __call__(self, x, ctx=None, n_valid=None):
         B, T, c_in = x.shape
         w = self.weight[...]
-        taps, c_out, s = self.context + 1, w.shape[2], self.stride
+        taps, c_out = self.context + 1, w.shape[2]
         ext = _extend(x, ctx, self.context)
-        # [C_in, taps * s, C_out] -> [C_in, h, r * C_out + o] -> taps j = taps - 1 - h, as [j, C_in, s * C_out]
-        kernel = jnp.swapaxes(w.reshape(c_in, taps, s * c_out)[:, ::-1], 0, 1)
-        y = jax.lax.conv_general_dilated(ext.astype(w.dtype), kernel, (1,), "VALID",
-                                         dimension_numbers=("NWC", "WIO", "NWC"))
-        y = y.reshape(B, T * s, c_out) + self.bias[...]
+        lagged = jnp.stack([ext[:, taps - 1 - h:taps - 1 - h + T] for h in range(taps)], axis=-1)  # [B, T, C_in, h]
+        y = jax.lax.dot_general(lagged.reshape(B, T, c_in * taps).astype(w.dtype),
+                                w.reshape(c_in * taps, self.stride * c_out), (((2,), (0,)), ((), ())))
+        y = y.reshape(B, T * self.stride, c_out) + self.bias[...]
         return y, next_context(ext, self.context, n_valid)
 
 
