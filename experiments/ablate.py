@@ -6,15 +6,16 @@ compile time, and each row's full engine configuration in the JSON.
     python -m experiments.ablate --out DIR [--preset full|tiny] [--streams 128] [--configs full gdn_ref ...]
         [--budget-s 480] [--engine prefill_chunk=128 ...]
 
-The model parts are built once; each configuration gets a fresh `Engine` (warm-up compile, run, shutdown, device
-memory freed). Requests are the benchmark client's request bodies, validated and prepared by the server's own code
+The model parts are built once. A configuration that differs from the live engine's in admission / guard / tick
+fields only (`serving.engine.POLICY_FIELDS`: rows admit_now, sync_tick, guard_*, prefill_wait_*, codec_bridge) runs on
+that engine, reconfigured ("compile s" 0); any other gets a fresh `Engine` (warm-up compile, run; the previous one
+shut down and its device memory freed). Requests are the benchmark client's request bodies, validated and prepared by the server's own code
 (`serving.api.prepare_request`), and the figures come from `serving.bench.metrics.round_summary`, so they are defined
 exactly as `drama3-bench` defines them (chunk arrival = the engine's audio callback; bytes = samples * 2 as s16le).
 JSON and Markdown are rewritten after every configuration (partial results survive a time-out); a configuration that
 would not finish within --budget-s (judging by the quickest one run so far, its compilation left out: a row that
 reuses the compiled shapes compiles nothing, and the first row's cold compile would otherwise skip every other row)
-is recorded as skipped. "decode ms/call"
-is the engine's `drama3_decode_step_seconds` (dispatch to rows on the host) over the timed rounds.
+is recorded as skipped. "decode ms/call" is the engine's `drama3_decode_step_seconds` (dispatch to rows on the host) over the timed rounds.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from serving.bench.client import Sampling, request_body  # noqa: E402
 from serving.bench.dataset import synthetic, warmup_requests  # noqa: E402
 from serving.bench.metrics import BYTES_PER_SAMPLE, Trace, average_rounds, round_summary  # noqa: E402
 from serving.api import ServerState, prepare_request  # noqa: E402
-from serving.engine import Engine, EngineConfig  # noqa: E402
+from serving.engine import Engine, EngineConfig, policy_changes  # noqa: E402
 from serving.launch import resolve_decode_sizes  # noqa: E402
 from serving.metrics import freeze_heap_and_watch_gc  # noqa: E402
 from serving.protocol import SpeechRequest  # noqa: E402
@@ -146,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--preset", choices=["full", "tiny"], default="full",
                     help="full: full-size random-weight model built on the device; tiny: the embedded smoke model")
     ap.add_argument("--configs", nargs="+", type=config_name, default=list(CONFIGS),
-                    help="configurations to run, in this order; 'a+b' applies the changes of rows a and b together")
+                    help="configurations to run, in this order except that 'full' and the rows that change only "
+                         "admission / guard / tick fields go first (they share full's compiled engine); 'a+b' "
+                         "applies the changes of rows a and b together")
     ap.add_argument("--streams", type=int, default=128, help="concurrency C = engine slots (except in the pool_* rows)")
     ap.add_argument("--requests", type=int, default=None, help="requests per timed round (default: --streams)")
     ap.add_argument("--rounds", type=int, default=1)
@@ -262,14 +265,43 @@ def trace_later(delay_s: float, seconds: float, trace_dir: str, out: dict) -> th
 
 
 # ------------------------------------------------------------------------------------------ one configuration
-def run_config(talker, tok, codec, cfg: EngineConfig, timed: list[dict], warm: list[dict], args,
+class LiveEngine:
+    """One warmed-up engine at a time. A row whose configuration differs from the live engine's in
+    serving.engine.POLICY_FIELDS only (admission, guard, tick) reuses it through `Engine.reconfigure`: no compile.
+    Any other row shuts it down, frees its device memory and builds its own. (On the H200 a second Engine of the
+    same shapes in one process compiled its talker steps again, 158 of 268 s, despite the persistent cache:
+    experiments/results/ablate_128_g/.)"""
+
+    def __init__(self, talker, tok, codec):
+        self.parts, self.engine = (talker, tok, codec), None
+
+    def get(self, cfg: EngineConfig) -> tuple[Engine, float]:
+        """(an engine running `cfg`, seconds spent compiling for it)."""
+        if self.engine is not None and policy_changes(cfg, self.engine.cfg) is not None:
+            self.engine.reconfigure(cfg)
+            return self.engine, 0.0
+        self.close()
+        self.engine = Engine(*self.parts, cfg)
+        compile_s = self.engine.warm_up()
+        self.engine.start()
+        return self.engine, compile_s
+
+    def close(self):
+        if self.engine is None:
+            return
+        self.engine.shutdown(drain_timeout=0)
+        self.engine.pool = self.engine.codec_state = self.engine.prefiller = None
+        self.engine = None
+        gc.collect()
+
+
+def run_config(live: LiveEngine, cfg: EngineConfig, timed: list[dict], warm: list[dict], args,
                trace_s: float = 0.0) -> dict:
-    """Build, compile, warm up, time `args.rounds` rounds (profiling `trace_s` seconds of the first), shut down and
-    free the engine's device memory."""
-    engine = Engine(talker, tok, codec, cfg)
+    """Compile (or reuse the live engine), warm up, time `args.rounds` rounds (profiling `trace_s` seconds of the
+    first). An engine that failed is shut down and its device memory freed."""
+    codec = live.parts[2]
     try:
-        compile_s = engine.warm_up()
-        engine.start()
+        engine, compile_s = live.get(cfg)
         warm_traces, errors = drive(engine, warm, args.streams, args.timeout) if warm else ([], [])
         names = ("drama3_decode_step_seconds", "drama3_prefill_seconds", "drama3_codec_step_seconds",
                  "drama3_queue_wait_seconds", "drama3_admit_to_first_audio_seconds")
@@ -293,11 +325,9 @@ def run_config(talker, tok, codec, cfg: EngineConfig, timed: list[dict], warm: l
                 "warmup": {"requests": len(warm_traces),
                            "failed": sum(t.failure_key() is not None for t in warm_traces)},
                 "errors": sorted(set(errors))[:5], **profiled}
-    finally:
-        engine.shutdown(drain_timeout=0)
-        engine.pool = engine.codec_state = engine.prefiller = None
-        del engine
-        gc.collect()
+    except BaseException:
+        live.close()
+        raise
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -364,6 +394,13 @@ def engine_overrides(items: list[str]) -> dict:
     return out
 
 
+def run_order(names: list[str], base: EngineConfig) -> list[str]:
+    """The --configs rows in their order, except that 'full' and the rows that change only POLICY_FIELDS of it come
+    first: they all run on full's engine (LiveEngine) before any row replaces it."""
+    shares = [n for n in names if n == "full" or policy_changes(config_change(n)[1](base), base) is not None]
+    return shares + [n for n in names if n not in shares]
+
+
 def build_parts(preset: str):
     if preset == "tiny":
         from serving.launch import tiny_random_parts
@@ -424,10 +461,11 @@ def main(argv=None):
         "full_config": " ".join(f"{k}={v}" for k, v in flat_config(base).items()),
         "rows": []}
     walls = []  # wall times of the configurations run so far, less their warm-up compilation
+    live = LiveEngine(talker, tok, codec)
     # the profiled run goes last: a jax.profiler trace on the H200 was followed by CUDA_ERROR_LAUNCH_FAILED twice
     # (a known failure mode, jax-ml/jax#40260), which would take the configurations after it down too
     profiled = {"full_profiled": ("nothing; profiled for the GPU time split, figures not for comparison", lambda c: c)}
-    for name in list(args.configs) + (list(profiled) if args.trace_s else []):
+    for name in run_order(args.configs, base) + (list(profiled) if args.trace_s else []):
         off, change = profiled[name] if name in profiled else config_change(name)
         cfg = change(base)
         row = {"name": name, "off": off, "change": changes(cfg, base), "engine_config": dataclasses.asdict(cfg)}
@@ -443,17 +481,18 @@ def main(argv=None):
             log(f"{name}: {off} ({row['change']})")
             t = time.perf_counter()
             try:
-                row.update(run_config(talker, tok, codec, cfg, timed_bodies, warm_bodies, args,
+                row.update(run_config(live, cfg, timed_bodies, warm_bodies, args,
                                       trace_s=args.trace_s if name in profiled else 0.0))
             except Exception as e:  # e.g. out of memory at compile: record it and go on
                 row.update(status="error", reason=repr(e)[:300])
             row["wall_s"] = time.perf_counter() - t
             walls.append(row["wall_s"] - row.get("compile_s", 0.0))
-            live = sum(x.nbytes for x in jax.live_arrays()) / 2**30
-            log(f"{name}: {row['status']} in {row['wall_s']:.0f} s; live device arrays after freeing {live:.2f} GiB")
+            live_gib = sum(x.nbytes for x in jax.live_arrays()) / 2**30
+            log(f"{name}: {row['status']} in {row['wall_s']:.0f} s; live device arrays {live_gib:.2f} GiB")
         save_json(result, os.path.join(args.out, "ablate.json"))
         with open(os.path.join(args.out, "ablate.md"), "w") as fh:
             fh.write(markdown(result))
+    live.close()
     print(markdown(result), flush=True)
     return result
 

@@ -177,6 +177,18 @@ class EngineConfig:
         return tuple(self.encode_bucket_frames * (i + 1) for i in range(n))
 
 
+# fields the engine loop reads as it runs and no compiled shape depends on: `Engine.reconfigure` may change them
+POLICY_FIELDS = frozenset({"max_queue", "pipeline_depth", "prefill_busy_streams", "prefill_min_batch",
+                           "prefill_max_wait_ms", "admit_guard_s", "admit_guard_new_s", "codec_bridge",
+                           "stats_interval_s", "stall_warn_s", "benchmark_mode"})
+
+
+def policy_changes(cfg: EngineConfig, base: EngineConfig) -> set[str] | None:
+    """Names of the fields where `cfg` differs from `base`, or None if any of them is not in POLICY_FIELDS."""
+    changed = {f.name for f in dataclasses.fields(EngineConfig) if getattr(cfg, f.name) != getattr(base, f.name)}
+    return changed if changed <= POLICY_FIELDS else None
+
+
 @dataclasses.dataclass
 class Request:
     """One speech request. `sink(kind, payload)` receives ("audio", pcm float32 array) / ("done", usage) /
@@ -236,8 +248,7 @@ class Engine:
             raise ValueError(f"encode_warmup must be 'start', 'background' or 'lazy', got {cfg.encode_warmup!r}")
         if cfg.codec_period < 1 or cfg.codec_first_chunk < 1 or cfg.codec_chunk < 1:
             raise ValueError("codec_period, codec_first_chunk and codec_chunk must be >= 1")
-        if cfg.pipeline_depth not in (0, 1):
-            raise ValueError(f"pipeline_depth must be 0 or 1, got {cfg.pipeline_depth}")
+        _check_policy(cfg)
         if cfg.prefill_packed_rows and (max(cfg.prefill_packed_rows) < min(cfg.max_prompt_rows, cfg.prefill_chunk)
                                         or cfg.prefill_lane_rows < 1):
             raise ValueError(f"the largest packed prefill ({max(cfg.prefill_packed_rows)} rows) must hold one prompt "
@@ -378,6 +389,20 @@ class Engine:
         one = jax.eval_shape(lambda: self.prefiller(rows, np.full((1,), 2, np.int32),
                                                     RequestSampling.make([SamplingParams()], [0])))
         return jax.tree.map(lambda x: jnp.zeros((S,) + x.shape[1:], x.dtype), one)
+
+    def reconfigure(self, cfg: EngineConfig):
+        """Swap in `cfg` while the engine is idle (no stream active, queued or in flight), keeping every compiled
+        shape: `cfg` may differ from the current configuration in POLICY_FIELDS only (the ablation harness runs its
+        admission and tick rows on one warmed-up engine)."""
+        if policy_changes(cfg, self.cfg) is None:
+            raise ValueError("reconfigure changes only " + ", ".join(sorted(POLICY_FIELDS)) + "; build a new Engine "
+                             "for " + ", ".join(sorted(f.name for f in dataclasses.fields(EngineConfig)
+                                                       if getattr(cfg, f.name) != getattr(self.cfg, f.name))))
+        _check_policy(cfg)
+        with self.lock:
+            if self.active_count() or self.waiting or self.continuations or self._inflight or self._codec_inflight:
+                raise RuntimeError("reconfigure needs an idle engine")
+            self.cfg = cfg
 
     def start(self):
         if not self.ready:
@@ -794,6 +819,11 @@ class Engine:
             self.metrics.audio_seconds.inc(frames * self.codec.frame_length / self.codec.cfg.sample_rate)
             r.sink("done", {"input_tokens": r.prompt_rows, "output_tokens": frames,
                             "total_tokens": r.prompt_rows + frames})
+
+
+def _check_policy(cfg: EngineConfig):
+    if cfg.pipeline_depth not in (0, 1):
+        raise ValueError(f"pipeline_depth must be 0 or 1, got {cfg.pipeline_depth}")
 
 
 def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float = 0.0,

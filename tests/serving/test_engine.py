@@ -4,6 +4,7 @@ works, the default) or synchronous."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import pytest
 from drama3_jax.generate import generate
 from drama3_jax.prompt import split_long_text
 from drama3_jax.sampling import SamplingParams
-from serving.engine import Engine, EngineConfig, Request
+from serving.engine import Engine, EngineConfig, Request, policy_changes
 from serving.launch import tiny_random_parts
 
 
@@ -237,3 +238,34 @@ def test_admission_guard_has_its_own_threshold_for_streams_on_their_first_chunk(
     assert guard_allows([steady, new, *others], now, 0.25, 0.1)        # its own, lower threshold
     assert not guard_allows([req(3, 0.2), new], now, 0.25, 0.1)        # a steady stream below 0.25 s still blocks
     assert guard_allows([], now, 0.25, 0.1)
+
+
+def test_reconfigure_swaps_policy_fields_only_and_only_when_idle(engine):
+    """The pipelined engine turned synchronous in place (what the ablation harness does for its policy rows): the
+    same tokens as before; fields that change compiled shapes, bad values and a busy engine are refused."""
+    base = engine.cfg
+    sync = dataclasses.replace(base, pipeline_depth=0, admit_guard_s=0.1)
+    assert policy_changes(sync, base) == {"pipeline_depth", "admit_guard_s"}
+    assert policy_changes(dataclasses.replace(base, codec_period=1), base) is None
+    with pytest.raises(ValueError, match="codec_period"):
+        engine.reconfigure(dataclasses.replace(base, codec_period=1))
+    with pytest.raises(ValueError, match="pipeline_depth"):
+        engine.reconfigure(dataclasses.replace(base, pipeline_depth=2))
+    text = "Reconfigured between two requests."
+    _, (before,) = run(engine, [text], [5], forced=[6])
+    try:
+        engine.reconfigure(sync)
+        assert engine.cfg is sync
+        _, (after,) = run(engine, [text], [5], forced=[6])
+        np.testing.assert_array_equal(after, before)
+        busy = engine.submit(Request(chunks=[text], references=[], previous_takes=[], sampling=SamplingParams(),
+                                     seed=1, max_frames=10, forced_frames=10, sink=lambda k, p: None))
+        with pytest.raises(RuntimeError, match="idle"):
+            engine.reconfigure(base)
+        while not busy.finished:
+            time.sleep(0.02)
+        while engine._inflight or engine._codec_inflight:  # the last step's rows and audio still being collected
+            time.sleep(0.02)
+    finally:
+        engine.reconfigure(base)
+    assert engine.cfg is base
