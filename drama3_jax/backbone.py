@@ -28,6 +28,7 @@ from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, causal_conv1d_packed, gdn_gates
 from kernels.moe import ExpertWeights, moe_experts
 from kernels.moe.quant import ACT_GROUP
+from kernels.router.api import router_topk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +46,9 @@ class Backends:
 
     moe_skip_padding: in a multi-row call (prefill), the rows past each sequence's length are routed to no expert,
     so the grouped GEMMs skip them (prompts are right-padded to whole prefill chunks); their MoE output is 0 either
-    way, and the valid rows' outputs do not change."""
+    way, and the valid rows' outputs do not change.
+
+    router: the MoE router's top-k and the softmax of its k logits (kernels/router/api.py)."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
@@ -55,6 +58,7 @@ class Backends:
     moe_activations: str = "bf16"
     dense: str = "reference"
     moe_skip_padding: bool = True
+    router: str = "reference"
 
     def __post_init__(self):
         if self.moe_activations not in ("bf16", "fp8"):
@@ -62,7 +66,7 @@ class Backends:
 
     @classmethod
     def auto(cls) -> "Backends":
-        return cls(moe="auto", gdn_prefill="auto", gdn_decode="auto", attention="auto", sampling="auto")
+        return cls(moe="auto", gdn_prefill="auto", gdn_decode="auto", attention="auto", sampling="auto", router="auto")
 
 
 def default_moe_activations(cfg: Drama3Config) -> str:
@@ -282,14 +286,12 @@ class SparseMoe(nnx.Module):
         self.in_proj = nnx.data(FusedLinear([self.gate, se.gate_proj, se.up_proj, self.shared_expert_gate]))
         del self.gate, se.gate_proj, se.up_proj, self.shared_expert_gate
 
-    def route(self, logits):
-        """Router logits [N, E] fp32 -> (topk_ids [N, k] int32, topk_weights [N, k] fp32)."""
-        # softmax is monotonic and renormalising the top-k probabilities cancels the full softmax's denominator, so
-        # top-k of the logits and a softmax over those k give the reference's weights without a [N, E] softmax
-        top, ids = jax.lax.top_k(logits, self.top_k)
-        return ids.astype(jnp.int32), jax.nn.softmax(top, axis=-1)
+    def route(self, logits, backend: str = "reference"):
+        """Router logits [N, E] fp32 -> (topk_ids [N, k] int32, topk_weights [N, k] fp32) (kernels/router)."""
+        return router_topk(logits, self.top_k, backend=backend)
 
-    def __call__(self, x, *, backend: str, act_fp8: bool = False, dense: str = "reference", valid=None):
+    def __call__(self, x, *, backend: str, act_fp8: bool = False, dense: str = "reference", valid=None,
+                 router: str = "reference"):
         """x [..., H]; valid: bool of x's leading shape or None (see Backends.moe_skip_padding)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
@@ -306,7 +308,7 @@ class SparseMoe(nnx.Module):
                 sh_gate, sh_up = se.gate_proj(xf, dense), se.up_proj(xf, dense)
                 sg = self.shared_expert_gate(xf, dense)
         with jax.named_scope("router"):
-            ids, w = self.route(logits)
+            ids, w = self.route(logits, router)
         with jax.named_scope("moe_experts"):
             weights = self.experts.weights()
             # W8A8 where both GEMMs' K is whole 128-column groups in 128 x 128 weight blocks (not the tiny test
@@ -405,7 +407,8 @@ class Drama3Backbone(nnx.Module):
                 li += 1
             x = x + h
             x = x + layer.mlp(layer.post_attention_layernorm(x), backend=backends.moe,
-                              act_fp8=backends.moe_activations == "fp8", dense=backends.dense, valid=valid)
+                              act_fp8=backends.moe_activations == "fp8", dense=backends.dense, valid=valid,
+                              router=backends.router)
         x = self.model.language_model.norm(x)
         return x, BackboneCache(k=ks, v=vs, conv=convs, ssm=ssms,
                                 lengths=cache.lengths.at[:B].set(start + new_lengths.astype(jnp.int32)))

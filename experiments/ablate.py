@@ -6,16 +6,18 @@ compile time, and each row's full engine configuration in the JSON.
     python -m experiments.ablate --out DIR [--preset full|tiny] [--streams 128] [--configs full gdn_ref ...]
         [--budget-s 480] [--engine prefill_chunk=128 ...]
 
-The model parts are built once. A configuration that differs from the live engine's in admission / guard / tick
-fields only (`serving.engine.POLICY_FIELDS`: rows admit_now, sync_tick, guard_*, prefill_wait_*, codec_bridge) runs on
-that engine, reconfigured ("compile s" 0); any other gets a fresh `Engine` (warm-up compile, run; the previous one
-shut down and its device memory freed). Requests are the benchmark client's request bodies, validated and prepared by the server's own code
+The model parts are built once. A configuration that differs from the live engine's in admission / guard / tick fields
+only (`serving.engine.POLICY_FIELDS`: rows admit_now, sync_tick, guard_*, prefill_wait_*, codec_bridge) runs on that
+engine, reconfigured ("compile s" 0); any other gets a fresh `Engine` (warm-up compile, run; the previous one shut
+down and its device memory freed).
+Requests are the benchmark client's request bodies, validated and prepared by the server's own code
 (`serving.api.prepare_request`), and the figures come from `serving.bench.metrics.round_summary`, so they are defined
 exactly as `drama3-bench` defines them (chunk arrival = the engine's audio callback; bytes = samples * 2 as s16le).
 JSON and Markdown are rewritten after every configuration (partial results survive a time-out); a configuration that
 would not finish within --budget-s (judging by the quickest one run so far, its compilation left out: a row that
-reuses the compiled shapes compiles nothing, and the first row's cold compile would otherwise skip every other row)
-is recorded as skipped. "decode ms/call" is the engine's `drama3_decode_step_seconds` (dispatch to rows on the host) over the timed rounds.
+reuses the compiled shapes compiles nothing, and the first row's cold compile would otherwise skip every other row) is
+recorded as skipped. "decode ms/call" is the engine's `drama3_decode_step_seconds` (dispatch to rows on the host) over
+the timed rounds.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                   "-> W8A16 (bf16 activations)", _backends(moe_activations="bf16")),
     "moe_padding": ("MoE skips the prompt padding of a prefill -> computes it", _backends(moe_skip_padding=False)),
     "sampling_ref": ("fused sampling kernel -> sort-based reference", _backends(sampling="reference")),
+    "router_ref": ("router top-k kernel -> lax.top_k + softmax", _backends(router="reference")),
     "ssm_fp32": ("bf16 GDN state -> fp32", lambda c: dataclasses.replace(c, ssm_state_dtype="float32")),
     "four_frames": ("one frame per host call (the server default, pipelined) -> 4 frames per call (multi-frame "
                     "decode: a scan of 4 frame steps in one executable)",

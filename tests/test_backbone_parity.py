@@ -134,13 +134,15 @@ def test_bf16_compute_no_worse_than_reference_bf16(tiny_fp8_dir, tiny_hf_dir, to
     assert ours_err <= 1.25 * ref_err
 
 
-def test_router_weights_equal_softmax_then_top_k(jax_fp32, tiny_cfg):
+@pytest.mark.parametrize("router", ["reference", "pallas_triton"])
+def test_router_weights_equal_softmax_then_top_k(jax_fp32, tiny_cfg, router):
     """The router takes top-k of the logits and a softmax over those k: the same experts and weights as the
-    checkpoint's softmax over all experts, top-k, renormalise (on the logits of fresh random hidden states)."""
+    checkpoint's softmax over all experts, top-k, renormalise (on the logits of fresh random hidden states), with
+    either router backend (kernels/router; the Pallas one in interpret mode here)."""
     moe = jax_fp32.model.language_model.layers[0].mlp
     x = jnp.asarray(np.random.default_rng(7).standard_normal((33, tiny_cfg.text.hidden_size)), jnp.float32)
     logits = x @ moe.gate.weight[...].T
-    ids, w = moe.route(logits)
+    ids, w = moe.route(logits, router)
     probs = np.asarray(jax.nn.softmax(logits, axis=-1), np.float64)
     ref_ids = np.argsort(-probs, axis=-1, kind="stable")[:, :tiny_cfg.text.num_experts_per_tok]
     ref_w = np.take_along_axis(probs, ref_ids, -1)
@@ -334,3 +336,23 @@ def test_gdn_kernels_in_the_model_on_the_v_major_cache(jax_fp32, tiny_cfg, monke
     for ref, got in zip(h_ref + s_ref, h_k + s_k):
         assert np.isfinite(ref).all()
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_backbone_with_the_router_kernel_equals_the_reference_router(jax_fp32, tiny_cfg):
+    """Backends.router reaches every MoE layer: a prefill and a decode step with the Pallas router (interpret mode,
+    the same XLA ops on the CPU) give the reference router's hidden states exactly."""
+    import dataclasses
+
+    from drama3_jax.backbone import Backends
+
+    rows = jnp.asarray(random_rows(tiny_cfg, 2, 12, seed=21, semantic_from=4))
+    nxt = jnp.asarray(random_rows(tiny_cfg, 2, 1, seed=22, semantic_from=0))
+    out = []
+    for router in ("reference", "pallas_triton"):
+        b = dataclasses.replace(Backends(), router=router)
+        cache = init_cache(jax_fp32.cfg.text, 2, 16, jnp.float32)
+        h, cache = jax_fp32.forward(rows, cache, jnp.asarray([12, 7], jnp.int32), fresh=True, backends=b)
+        step, _ = jax_fp32.forward(nxt, cache, jnp.ones(2, jnp.int32), backends=b)
+        out.append((np.asarray(h), np.asarray(step)))
+    for a, b in zip(*out):
+        np.testing.assert_array_equal(a, b)

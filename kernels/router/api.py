@@ -1,0 +1,25 @@
+"""Public MoE router entry point; `backend` picks the implementation.
+
+Backends:
+  "reference"      `lax.top_k` + a softmax over the k values (kernels/router/reference.py): two XLA kernels per layer.
+  "pallas_triton"  one Pallas launch per layer (kernels/router/pallas_triton.py): k rounds of row max / lowest
+                   argmax over a [rows, E] tile, then the softmax, same ids and (up to exp rounding) weights.
+  "auto"           "pallas_triton" when JAX's default backend is a GPU, else "reference".
+"""
+
+from __future__ import annotations
+
+from kernels.dispatch import pick_backend
+from kernels.router.pallas_triton import router_topk_triton
+from kernels.router.reference import router_topk_reference
+
+BACKENDS = {"reference": router_topk_reference, "pallas_triton": router_topk_triton}
+
+
+def router_topk(logits, k: int, *, backend: str = "reference", **backend_kwargs):
+    """logits [N, E] (any float dtype) -> (topk_ids [N, k] int32, topk_weights [N, k] fp32), largest first."""
+    fn = pick_backend(BACKENDS, backend, "router", auto="pallas_triton")
+    return fn(logits, k, **backend_kwargs)
+
+
+__all__ = ["BACKENDS", "router_topk"]
