@@ -48,7 +48,9 @@ class Backends:
     so the grouped GEMMs skip them (prompts are right-padded to whole prefill chunks); their MoE output is 0 either
     way, and the valid rows' outputs do not change.
 
-    router: the MoE router's top-k and the softmax of its k logits (kernels/router/api.py)."""
+    router: the MoE router's top-k and the softmax of its k logits (kernels/router/api.py). `auto()` leaves it on
+    the reference until the Pallas kernel has been timed on the H200 (experiments/router_bench.py, the decode_profile
+    variant pallas_bf16_w8a8_fused_router)."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
@@ -66,7 +68,7 @@ class Backends:
 
     @classmethod
     def auto(cls) -> "Backends":
-        return cls(moe="auto", gdn_prefill="auto", gdn_decode="auto", attention="auto", sampling="auto", router="auto")
+        return cls(moe="auto", gdn_prefill="auto", gdn_decode="auto", attention="auto", sampling="auto")
 
 
 def default_moe_activations(cfg: Drama3Config) -> str:

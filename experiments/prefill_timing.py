@@ -15,7 +15,7 @@ one warm-up call, a new batch of prompts each call. Variants:
             prompts in a later call when they would not fit it)
   packed_xla_attention  packed, with XLA's attention for the prompt rows instead of the flash prefill kernel
             (attention backend "pallas_triton_decode")
-  packed_xla_router  packed, with the router's top-k in XLA (lax.top_k + softmax) instead of kernels/router
+  packed_router  packed, with the Pallas router top-k (kernels/router) instead of lax.top_k + softmax
   packed_gdn_osplit  packed, with the GDN prefill's output computed by its own launch after the state walk
             (kernels/gdn TUNING["prefill_state"]["separate_output"], patched while the call is traced)
 The roofline of a call is the larger of (every weight read once) / 4.2 TB/s and (2 x active parameters x valid
@@ -60,7 +60,7 @@ def variants(cfg) -> dict[str, Backends]:
     base = dataclasses.replace(Backends.auto(), moe_activations=default_moe_activations(cfg))
     return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False), "packed": base,
             "packed_xla_attention": dataclasses.replace(base, attention="pallas_triton_decode"),
-            "packed_xla_router": dataclasses.replace(base, router="reference")}
+            "packed_router": dataclasses.replace(base, router="pallas_triton")}
 
 
 # variants that are another variant with module tables patched while traced: name -> (base, experiments.common.patched
@@ -205,7 +205,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--variants", nargs="+", default=["default", "no_skip", "packed"],
-                    choices=["default", "no_skip", "packed", "packed_xla_attention", "packed_xla_router"]
+                    choices=["default", "no_skip", "packed", "packed_xla_attention", "packed_router"]
                     + sorted(PATCHES))
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--lane-rows", type=int, nargs="+", default=[EngineConfig.prefill_lane_rows],
