@@ -11,7 +11,9 @@ seconds of audio per second, the analytic decode FLOPs per audio second, the ach
 same step in fp32 weights/activations (XLA's default TF32 matmuls). Results go to DIR/codec_throughput.json and are
 printed as a table; configs are run most important first and skipped once the time budget is spent. With
 --profile-steps N, N more steps of the first config run under the profiler: GPU kernel time per step by codec stage
-(the name scopes of `ModifiedDAC.decode_step`: embed, post_module, upsample, decoder) and by op.
+(the name scopes of `ModifiedDAC.decode_step`: embed, post_module, upsample, decoder) and by op. --variants runs every
+config once per variant, in one process (jit caches cleared in between): "default" is the code as it is; the others
+patch a module-level choice while the step is traced (VARIANTS below), for A/B figures from one run.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from experiments.common import command_line  # noqa: E402
+from experiments.common import command_line, patched  # noqa: E402
 from experiments.decode_profile import profile_calls  # noqa: E402
 
 import jax  # noqa: E402
@@ -41,6 +43,12 @@ from drama3_jax.codec.model import DILATIONS  # noqa: E402
 from drama3_jax.codec.streaming import Codec  # noqa: E402
 
 PROFILE_CATEGORIES = ("codec_embed", "codec_post_module", "codec_upsample", "codec_decoder")
+# name -> experiments.common.patched patches applied while the step is traced
+VARIANTS = {
+    "default": [],
+    # the residual units' 1x1 convs as cuDNN convs (before drama3_jax/codec/layers.py POINTWISE_AS_MATMUL)
+    "pointwise_cudnn": [("drama3_jax.codec.layers", "POINTWISE_AS_MATMUL", None, False)],
+}
 DEFAULT_CONFIGS = ("bfloat16:128:32", "bfloat16:128:10", "bfloat16:32:32", "bfloat16:32:10", "bfloat16:1:10",
                    "bfloat16:1:32", "float32:128:32", "float32:1:10")
 PEAK_BF16_FLOPS = 780e12  # measured 8192^3 bf16 matmul on this workplace's H200 (KINDS.md: 769-798 TFLOP/s)
@@ -144,6 +152,8 @@ def main(argv=None):
     ap.add_argument("--configs", type=parse_config, nargs="+", default=[parse_config(c) for c in DEFAULT_CONFIGS],
                     help="dtype:streams:frames per step, most important first")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps of the first config")
+    ap.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS),
+                    help="code variants, each over every config (the profile runs with the first)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     cfg = codec_preset(args.preset)
@@ -151,6 +161,7 @@ def main(argv=None):
     flops_audio_s = flops_frame * cfg.sample_rate / cfg.frame_length
     plan = args.configs
     codecs, results = {}, []
+    stack, active = patched([]), "default"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": command_line(args.out),
@@ -160,17 +171,21 @@ def main(argv=None):
             "decode_flops_per_frame": flops_frame, "decode_flops_per_audio_s": flops_audio_s,
             "peak_bf16_flops": PEAK_BF16_FLOPS, "hbm_bytes_per_s": HBM_BYTES_PER_S,
             "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    for dtype, batch, chunk in plan:
+    for variant, (dtype, batch, chunk) in ((v, c) for v in args.variants for c in plan):
         if time.perf_counter() - t_start > args.budget_s:
-            print(f"budget spent: skipping {dtype} B={batch} T={chunk}", flush=True)
+            print(f"budget spent: skipping {variant} {dtype} B={batch} T={chunk}", flush=True)
             continue
+        if variant != active:  # a patched module value only takes effect in a fresh trace
+            stack.close()
+            stack, active = patched(VARIANTS[variant]), variant
+            jax.clear_caches()
         if dtype not in codecs:
             t0 = time.perf_counter()
             codecs[dtype] = Codec(random_codec(cfg, seed=0, dtype=jnp.dtype(dtype)))
             meta[f"build_s_{dtype}"] = time.perf_counter() - t0
             meta[f"weight_bytes_{dtype}"] = decode_weight_bytes(codecs[dtype])
         res = time_steps(codecs[dtype], batch, chunk, args.steps, args.repeats, seed=batch * 100 + chunk)
-        res["dtype"] = dtype
+        res["dtype"], res["variant"] = dtype, variant
         step_s = res["ms_per_step"] / 1e3
         res["achieved_tflops"] = flops_audio_s * res["audio_s_per_s"] / 1e12
         res["roofline_ms_per_step"] = flops_audio_s * res["audio_s_per_step"] / PEAK_BF16_FLOPS * 1e3
@@ -179,8 +194,10 @@ def main(argv=None):
         results.append(res)
         print(json.dumps(res), flush=True)
         (out / "codec_throughput.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    stack.close()
     report = {"meta": meta, "results": results}
     if args.profile_steps and results:
+        jax.clear_caches()
         dtype, batch, chunk = plan[0]
         report["profile"] = {"dtype": dtype, "batch": batch, "chunk_frames": chunk,
                              **profile_steps(codecs[dtype], batch, chunk, args.profile_steps,
@@ -190,10 +207,10 @@ def main(argv=None):
     (out / "codec_throughput.json").write_text(json.dumps(report, indent=1))
     print(f"\n{meta['device']}  decode {flops_audio_s / 1e9:.1f} GFLOP per audio second "
           f"({flops_frame / 1e9:.2f} GFLOP/frame)")
-    print(f"{'dtype':9} {'B':>4} {'T':>3} {'ms/step':>9} {'audio s/s':>10} {'TFLOP/s':>8} {'%peak':>6} "
+    print(f"{'variant':16} {'dtype':9} {'B':>4} {'T':>3} {'ms/step':>9} {'audio s/s':>10} {'TFLOP/s':>8} {'%peak':>6} "
           f"{'roof ms':>8} {'compile s':>9}")
     for r in results:
-        print(f"{r['dtype']:9} {r['batch']:>4} {r['chunk_frames']:>3} {r['ms_per_step']:>9.2f} "
+        print(f"{r['variant']:16} {r['dtype']:9} {r['batch']:>4} {r['chunk_frames']:>3} {r['ms_per_step']:>9.2f} "
               f"{r['audio_s_per_s']:>10.1f} {r['achieved_tflops']:>8.1f} {100 * r['fraction_of_peak']:>5.1f}% "
               f"{r['roofline_ms_per_step']:>8.2f} {r['warmup_compile_s']:>9.1f}")
     if "profile" in report:

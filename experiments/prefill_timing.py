@@ -16,6 +16,7 @@ one warm-up call, a new batch of prompts each call. Variants:
   packed_xla_attention  packed, with XLA's attention for the prompt rows instead of the flash prefill kernel
             (attention backend "pallas_triton_decode")
   packed_router  packed, with the Pallas router top-k (kernels/router) instead of lax.top_k + softmax
+  packed_argsort  packed, with the MoE's expert order from a stable argsort (kernels/moe/routing.py LARGE_ORDER)
   packed_gdn_osplit  packed, with the GDN prefill's output computed by its own launch after the state walk
             (kernels/gdn TUNING["prefill_state"]["separate_output"], patched while the call is traced)
 The roofline of a call is the larger of (every weight read once) / 4.2 TB/s and (2 x active parameters x valid
@@ -66,7 +67,9 @@ def variants(cfg) -> dict[str, Backends]:
 # variants that are another variant with module tables patched while traced: name -> (base, experiments.common.patched
 # patches)
 PATCHES = {"packed_gdn_osplit": ("packed", [("kernels.gdn.pallas_triton", "TUNING", "prefill_state",
-                                              {"separate_output": True})])}
+                                              {"separate_output": True})]),
+           # the experts' pair order by a stable argsort (before the cumsum counting sort of kernels/moe/routing.py)
+           "packed_argsort": ("packed", [("kernels.moe.routing", "LARGE_ORDER", None, "argsort")])}
 
 
 def packed_call(lengths: np.ndarray, start: int, batch: int, max_rows: int, max_lanes: int) -> np.ndarray:

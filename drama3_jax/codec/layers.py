@@ -58,6 +58,14 @@ class Snake(nnx.Module):
         return (xf + (1.0 / (a + 1e-9)) * jnp.sin(a * xf) ** 2).astype(x.dtype)
 
 
+# 1x1 convs (the residual units' conv2) as a matmul over the channels rather than a cuDNN conv: in XLA a GEMM may take
+# the Snake before it as a fused operand computation and the residual add after it as its epilogue, where a cuDNN
+# conv stays a call of its own between two elementwise passes (the 128-stream codec call spends ~1 ms per residual
+# unit on those passes at the two widest rates: experiments/results/profiles_2026-12-04/codec/). Not yet timed on the
+# H200: experiments/codec_throughput.py --variants default pointwise_cudnn is the A/B.
+POINTWISE_AS_MATMUL = True
+
+
 class CausalConv1d(nnx.Module):
     """Causal conv: left context (k-1)*dilation + 1 - stride, then a valid conv. weight [k, C_in, C_out], bias [C_out].
     With stride > 1 the chunk length must be a multiple of the stride (the encoder pads audio to whole frames)."""
@@ -74,8 +82,11 @@ class CausalConv1d(nnx.Module):
     def __call__(self, x, ctx=None, n_valid=None):
         if x.shape[1] % self.stride:
             raise ValueError(f"CausalConv1d: chunk length {x.shape[1]} is not a multiple of stride {self.stride}")
-        ext = _extend(x, ctx, self.context)
         w = self.weight[...]
+        if w.shape[0] == 1 and self.stride == 1 and POINTWISE_AS_MATMUL:  # no context: nothing to carry
+            y = jax.lax.dot_general(x.astype(w.dtype), w[0], (((2,), (0,)), ((), ())))
+            return y + self.bias[...], x[:, :0]
+        ext = _extend(x, ctx, self.context)
         y = jax.lax.conv_general_dilated(ext.astype(w.dtype), w, (self.stride,), "VALID",
                                          rhs_dilation=(self.dilation,), dimension_numbers=("NWC", "WIO", "NWC"))
         return y + self.bias[...], next_context(ext, self.context, n_valid)

@@ -9,9 +9,12 @@ padded copy). The number of blocks depends on the routing, so the schedule is si
 (every non-empty expert wastes at most block_m - 1 rows), and blocks past the used ones carry expert -1 and are skipped
 by the kernels. Shapes depend only on (T, k, E, block_m): no recompilation per batch composition, no host sync.
 
-The expert order of the pairs comes from a stable argsort when there are many pairs (prefill), and at decode sizes
-(M <= `RANK_MAX_PAIRS`) from each pair's rank among the pairs of its expert, a [M, M] compare-and-count that XLA
-fuses into one kernel, then one scatter: the same permutation. On the H200 the argsort was 10.5 us per layer at
+The expert order of the pairs is a counting sort, the same permutation as a stable argsort by expert: at decode sizes
+(M <= `RANK_MAX_PAIRS`) each pair's rank among the pairs of its expert comes from a [M, M] compare-and-count that XLA
+fuses into one kernel; above it (prefill) from an exclusive cumsum over tokens of the [T, E + 1] per-token expert
+counts (plus the pair's offset among equal ids of its own token), then one scatter either way. The prefill form
+replaced a stable argsort of the M keys (1.7 ms in 480 sort kernels of a 3,072-row prefill call on the H200,
+experiments/results/profiles_2026-12-04/prefill/; `LARGE_ORDER = "argsort"` brings it back, for A/B runs). On the H200 the argsort was 10.5 us per layer at
 M = 1,024 (experiments/results/decode_profile_fused_2026-12-01/). For at most `routing_triton.MAX_PAIRS` pairs the
 Pallas MoE backend runs this whole schedule as one Pallas program instead (kernels/moe/routing_triton.py), with the
 same outputs; this module is its reference.
@@ -48,7 +51,8 @@ class BlockSchedule:
         return self.block_expert.shape[0]
 
 
-RANK_MAX_PAIRS = 2048  # the [M, M] compare stays a few MB; above it (prefill) the argsort is cheaper
+RANK_MAX_PAIRS = 2048  # the [M, M] compare stays a few MB; above it (prefill) the [T, E + 1] cumsum is cheaper
+LARGE_ORDER = "count"  # above RANK_MAX_PAIRS: "count" (the cumsum counting sort) or "argsort" (a stable argsort)
 
 
 def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -65,7 +69,7 @@ def expert_block_schedule(topk_ids: jax.Array, num_experts: int, block_m: int) -
     # histogram as a compare-reduce (one fused kernel; no atomics contending on 256 bins)
     counts = jnp.sum(flat[None, :] == jnp.arange(num_experts, dtype=jnp.int32)[:, None], axis=1, dtype=jnp.int32)
     start = jnp.cumsum(counts) - counts  # first sorted row of each expert
-    order = _expert_order(flat, start, num_experts, block_m)
+    order = _expert_order(topk_ids.astype(jnp.int32), start, num_experts, block_m)
     nblk = (counts + block_m - 1) // block_m
     blk_end = jnp.cumsum(nblk)
     blk_start = blk_end - nblk
@@ -85,18 +89,31 @@ def expert_block_schedule(topk_ids: jax.Array, num_experts: int, block_m: int) -
     )
 
 
-def _expert_order(flat: jax.Array, start: jax.Array, num_experts: int, block_m: int) -> jax.Array:
+def _expert_order(ids: jax.Array, start: jax.Array, num_experts: int, block_m: int) -> jax.Array:
     """Pair indices [M + block_m] stably sorted by expert, then the block_m padding indices M..M+block_m-1.
-    flat [M] expert ids in [0, E]; start [E] first sorted row of each expert (pairs with id E come after them all)."""
-    m = flat.shape[0]
-    if m > RANK_MAX_PAIRS:
+    ids [T, k] expert ids in [0, E] (pair t * k + j); start [E] first sorted row of each expert (pairs with id E come
+    after them all)."""
+    T, k = ids.shape
+    m, flat = T * k, ids.reshape(-1)
+    if m > RANK_MAX_PAIRS and LARGE_ORDER == "argsort":
         # sort block_m sentinel keys (= E) along, so `order` comes out already padded (one op, no extra copy)
         keys = jnp.concatenate([flat, jnp.full((block_m,), num_experts, jnp.int32)])
         return jnp.argsort(keys, stable=True).astype(jnp.int32)
     p = jnp.arange(m, dtype=jnp.int32)
-    earlier_same = (flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None])
     routed = jnp.sum(flat < num_experts, dtype=jnp.int32)
     start = jnp.concatenate([start, routed[None]])  # id E: after every routed pair
-    pos = start[flat] + jnp.sum(earlier_same, axis=1, dtype=jnp.int32)  # sorted row of each pair: a permutation
-    # of [0, M), so scattering into arange(M + block_m) leaves exactly the padding indices M.. in the tail
+    if m > RANK_MAX_PAIRS:
+        # earlier pairs of the same id = those of earlier tokens (exclusive cumsum over tokens of the per-token counts)
+        # + those earlier in the pair's own token (ids repeat within a token only for E, or in tests)
+        per_token = jnp.sum(ids[:, :, None] == jnp.arange(num_experts + 1, dtype=jnp.int32), axis=1,
+                            dtype=jnp.int32)                                                   # [T, E + 1]
+        before = jnp.cumsum(per_token, axis=0, dtype=jnp.int32) - per_token
+        j = jnp.arange(k, dtype=jnp.int32)
+        in_token = jnp.sum((ids[:, None, :] == ids[:, :, None]) & (j[None, None, :] < j[None, :, None]), axis=2,
+                           dtype=jnp.int32)                                                   # [T, k]
+        earlier = (jnp.take_along_axis(before, ids, axis=1) + in_token).reshape(-1)
+    else:
+        earlier = jnp.sum((flat[None, :] == flat[:, None]) & (p[None, :] < p[:, None]), axis=1, dtype=jnp.int32)
+    pos = start[flat] + earlier  # sorted row of each pair: a permutation of [0, M), so scattering into
+    # arange(M + block_m) leaves exactly the padding indices M.. in the tail
     return jnp.arange(m + block_m, dtype=jnp.int32).at[pos].set(p, unique_indices=True)

@@ -90,3 +90,29 @@ def test_step_slots_touches_only_its_streams(tiny_codec, tiny_codec_cfg):
         np.testing.assert_allclose(x[[3, 0]], y[[3, 0]], rtol=0, atol=TOL)
         np.testing.assert_array_equal(x[[1, 2, 4]], b[[1, 2, 4]])  # untouched, bit for bit
     assert list(np.asarray(after.frames)) == [9, 7, 7, 13, 7]
+
+
+def test_pointwise_conv_as_matmul_equals_the_conv(monkeypatch):
+    """A 1x1 CausalConv1d (the residual units' conv2) runs as a matmul over channels; it equals the conv it replaces,
+    and a k > 1 conv is untouched by the switch."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from drama3_jax.codec import layers
+
+    rngs = np.random.default_rng(3)
+    x = jnp.asarray(rngs.standard_normal((3, 10, 12)), jnp.float32)
+    outs = {}
+    for kernel in (1, 3):
+        conv = layers.CausalConv1d(12, 5, kernel, dtype=jnp.float32)
+        conv.weight = nnx.Param(jnp.asarray(rngs.standard_normal((kernel, 12, 5)), jnp.float32))
+        conv.bias = nnx.Param(jnp.asarray(rngs.standard_normal((5,)), jnp.float32))
+        for on in (True, False):
+            monkeypatch.setattr(layers, "POINTWISE_AS_MATMUL", on)
+            y, ctx = conv(x, None)
+            jaxpr = str(jax.make_jaxpr(lambda v: conv(v, None)[0])(x))
+            outs[kernel, on] = np.asarray(y), ctx.shape, "conv_general_dilated" in jaxpr
+    np.testing.assert_allclose(outs[1, True][0], outs[1, False][0], rtol=1e-5, atol=1e-5)
+    assert outs[1, True][1] == outs[1, False][1] == (3, 0, 12)
+    assert (outs[1, True][2], outs[1, False][2], outs[3, True][2]) == (False, True, True)
+    np.testing.assert_array_equal(outs[3, True][0], outs[3, False][0])

@@ -143,16 +143,18 @@ def test_block_schedule_covers_every_pair_once(T, E, k, bm, routing):
     assert np.all(used[: used.sum()]), "unused blocks must come last"
 
 
-@pytest.mark.parametrize("rank", [True, False], ids=["rank", "argsort"])
+@pytest.mark.parametrize("order", ["rank", "count", "argsort"])
 @pytest.mark.parametrize("T,E,k,routing,masked", [(128, 256, 8, {}, 0), (33, 16, 4, dict(force_expert=5), 0),
                                                   (1, 8, 2, {}, 0), (40, 16, 4, {}, 13), (6, 8, 2, {}, 6)])
-def test_block_schedule_order_is_the_stable_expert_sort(monkeypatch, rank, T, E, k, routing, masked):
-    """Both ways of ordering the pairs (rank count at decode sizes, argsort above RANK_MAX_PAIRS) give the stable
-    sort by expert, padded with the indices M..M+block_m-1; pairs routed nowhere (id E, here the last `masked`
-    tokens) sort after every routed pair and are in no block."""
+def test_block_schedule_order_is_the_stable_expert_sort(monkeypatch, order, T, E, k, routing, masked):
+    """Every way of ordering the pairs (the rank count at decode sizes; above RANK_MAX_PAIRS the cumsum counting
+    sort, or an argsort) gives the stable sort by expert, padded with the indices M..M+block_m-1; pairs routed
+    nowhere (id E, here the last `masked` tokens, k of them per token) sort after every routed pair and are in no
+    block."""
     from kernels.moe import routing as routing_mod
 
-    monkeypatch.setattr(routing_mod, "RANK_MAX_PAIRS", 1 << 20 if rank else 0)
+    monkeypatch.setattr(routing_mod, "RANK_MAX_PAIRS", 1 << 20 if order == "rank" else 0)
+    monkeypatch.setattr(routing_mod, "LARGE_ORDER", "argsort" if order == "argsort" else "count")
     ids, _ = random_routing(_key(), T, E, k, **routing)
     ids = ids.at[T - masked:].set(E)
     bm = 16
@@ -162,6 +164,21 @@ def test_block_schedule_order_is_the_stable_expert_sort(monkeypatch, rank, T, E,
     want = np.concatenate([np.argsort(flat, kind="stable"), np.arange(M, M + bm)])
     np.testing.assert_array_equal(np.asarray(s.order), want)
     assert int(np.asarray(s.block_rows).sum()) == (T - masked) * k
+
+
+@pytest.mark.parametrize("order", ["rank", "count"])
+def test_block_schedule_order_with_ids_repeated_within_a_token(monkeypatch, order):
+    """Ids drawn with replacement (an expert twice in one token, which top-k never gives but the schedule accepts):
+    still the stable sort by expert."""
+    from kernels.moe import routing as routing_mod
+
+    monkeypatch.setattr(routing_mod, "RANK_MAX_PAIRS", 1 << 20 if order == "rank" else 0)
+    T, E, k, bm = 50, 6, 4, 8
+    ids = jax.random.randint(_key(), (T, k), 0, E + 1, jnp.int32)  # E too: routed nowhere
+    s = jax.jit(lambda i: expert_block_schedule(i, E, bm))(ids)
+    flat = np.asarray(ids).reshape(-1)
+    want = np.concatenate([np.argsort(flat, kind="stable"), np.arange(flat.size, flat.size + bm)])
+    np.testing.assert_array_equal(np.asarray(s.order), want)
 
 
 @pytest.mark.parametrize("backend", ["pallas_triton", "reference", "xla_ragged_dot"])
