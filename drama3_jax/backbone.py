@@ -31,6 +31,14 @@ from kernels.moe.quant import ACT_GROUP
 from kernels.router.api import router_topk
 
 
+# The prefill's causal conv + SiLU output (q, k, v) rounded to the model dtype, as transformers' Qwen3-Next does
+# (its causal_conv1d returns x.dtype): in bf16 the conv fusion writes half the bytes and the three GDN prefill kernels
+# read half (as fp32 they took 2.4 ms of writes in a 72 ms prefill call on the H200,
+# experiments/results/profiles_2026-12-04/prefill/). The decode kernel keeps its conv output in registers (fp32).
+# False: fp32 q / k / v, for A/B runs (experiments/prefill_timing.py --variants packed packed_fp32_qkv).
+GDN_CONV_OUT_IN_MODEL_DTYPE = True
+
+
 @dataclasses.dataclass(frozen=True)
 class Backends:
     """Which implementation each op uses (static under jit): "reference" (plain jnp), a Pallas backend name, or
@@ -218,6 +226,8 @@ class GatedDeltaNet(nnx.Module):
                     y, conv_state = causal_conv1d_packed(mixed[0], conv_w, conv_state, packing.pack,
                                                          rows["offsets"], new_lengths, packing.seq_len)
                     y = y[None]
+                if GDN_CONV_OUT_IN_MODEL_DTYPE:
+                    y = y.astype(mixed.dtype)
                 q = y[..., :kd].reshape(B, T, hk, dk)
                 k = y[..., kd:2 * kd].reshape(B, T, hk, dk)
                 v = y[..., 2 * kd:].reshape(B, T, hv, dv)

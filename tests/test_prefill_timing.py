@@ -31,3 +31,18 @@ def test_prefill_timing_table(tmp_path):
     ms = R["rows"][0]["profile"]["kernel_ms_per_call"]
     for category in ("moe_experts", "gdn_core", "attention_core", "backbone", "tower"):
         assert ms.get(category, 0) > 0, (category, ms)
+
+
+def test_every_patch_variant_names_an_existing_switch():
+    """Each PATCHES variant patches a module value that exists, with a value of its type (a renamed switch would
+    otherwise be patched in vain: mock.patch.object fails only when the variant runs on the device)."""
+    import importlib
+
+    for name, (base, patches) in prefill_timing.PATCHES.items():
+        assert base == "packed", name
+        for module, attr, key, value in patches:
+            current = getattr(importlib.import_module(module), attr)
+            if key is None:
+                assert type(current) is type(value), (name, attr)
+            else:
+                assert set(value) <= set(current[key]), (name, attr, key)
