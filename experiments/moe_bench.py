@@ -78,6 +78,12 @@ W8A8_PREFILL_VARIANTS = {  # around the prefill base (64-row blocks, 128 x 128 t
     # packed prefill calls of 2-4k rows: ~100 pairs per expert, one 128-row block or three of 32
     "prequant,bm128,w8,s4": dict(prequant=True, block_m=128, gu_warps=8, dn_warps=8, gu_stages=4, dn_stages=4),
     "prequant,bm32": dict(prequant=True, block_m=32),
+    # one 128-row block per expert (so its weights stream once, where two 64-row blocks stream them twice) without
+    # the register spills of "prequant,bm128,w8" (208 B in gate/up by ptxas -v for sm_90a at T=3072, through
+    # kernels/h200_lowering.py on a CPU): 64-wide gate/up N tiles, in-kernel activation quantisation (prequant needs
+    # 128-wide ones); ptxas: gate/up 182 registers, no spill; down 212 (128-wide N) or 157 (64-wide), no spill
+    "bm128,gu_bn64,w8": dict(block_m=128, gu_block_n=64, gu_warps=8, dn_warps=8),
+    "bm128,gu_bn64,w8,dn_bn64": dict(block_m=128, gu_block_n=64, gu_warps=8, dn_block_n=64, dn_warps=8),
 }
 
 
