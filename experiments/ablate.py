@@ -283,8 +283,11 @@ class LiveEngine:
     def get(self, cfg: EngineConfig) -> tuple[Engine, float]:
         """(an engine running `cfg`, seconds spent compiling for it)."""
         if self.engine is not None and policy_changes(cfg, self.engine.cfg) is not None:
-            self.engine.reconfigure(cfg)
-            return self.engine, 0.0
+            try:
+                self.engine.reconfigure(cfg)
+                return self.engine, 0.0
+            except RuntimeError:  # still busy (a round that timed out): start over on a fresh engine
+                log("the live engine is not idle; building a fresh one")
         self.close()
         self.engine = Engine(*self.parts, cfg)
         compile_s = self.engine.warm_up()

@@ -183,9 +183,13 @@ POLICY_FIELDS = frozenset({"max_queue", "pipeline_depth", "prefill_busy_streams"
                            "stats_interval_s", "stall_warn_s", "benchmark_mode"})
 
 
+def changed_fields(cfg: EngineConfig, base: EngineConfig) -> set[str]:
+    return {f.name for f in dataclasses.fields(EngineConfig) if getattr(cfg, f.name) != getattr(base, f.name)}
+
+
 def policy_changes(cfg: EngineConfig, base: EngineConfig) -> set[str] | None:
     """Names of the fields where `cfg` differs from `base`, or None if any of them is not in POLICY_FIELDS."""
-    changed = {f.name for f in dataclasses.fields(EngineConfig) if getattr(cfg, f.name) != getattr(base, f.name)}
+    changed = changed_fields(cfg, base)
     return changed if changed <= POLICY_FIELDS else None
 
 
@@ -396,8 +400,7 @@ class Engine:
         admission and tick rows on one warmed-up engine)."""
         if policy_changes(cfg, self.cfg) is None:
             raise ValueError("reconfigure changes only " + ", ".join(sorted(POLICY_FIELDS)) + "; build a new Engine "
-                             "for " + ", ".join(sorted(f.name for f in dataclasses.fields(EngineConfig)
-                                                       if getattr(cfg, f.name) != getattr(self.cfg, f.name))))
+                             "for " + ", ".join(sorted(changed_fields(cfg, self.cfg) - POLICY_FIELDS)))
         _check_policy(cfg)
         with self.lock:
             if self.active_count() or self.waiting or self.continuations or self._inflight or self._codec_inflight:
