@@ -11,11 +11,12 @@ by the kernels. Shapes depend only on (T, k, E, block_m): no recompilation per b
 
 The expert order of the pairs is a counting sort, the same permutation as a stable argsort by expert: at decode sizes
 (M <= `RANK_MAX_PAIRS`) each pair's rank among the pairs of its expert comes from a [M, M] compare-and-count that XLA
-fuses into one kernel; above it (prefill) from an exclusive cumsum over tokens of the [T, E + 1] per-token expert
-counts (plus the pair's offset among equal ids of its own token), then one scatter either way. The prefill form
-replaced a stable argsort of the M keys (1.7 ms in 480 sort kernels of a 3,072-row prefill call on the H200,
-experiments/results/profiles_2026-12-04/prefill/; `LARGE_ORDER = "argsort"` brings it back, for A/B runs). On the H200 the argsort was 10.5 us per layer at
-M = 1,024 (experiments/results/decode_profile_fused_2026-12-01/). For at most `routing_triton.MAX_PAIRS` pairs the
+fuses into one kernel (the argsort it replaced took 10.5 us per layer at M = 1,024 on the H200,
+experiments/results/decode_profile_fused_2026-12-01/); above it (prefill) from an exclusive cumsum over tokens of the
+[T, E + 1] per-token expert counts, plus the pair's offset among equal ids of its own token; then one scatter either
+way. The prefill form replaces a stable argsort of the M keys, 1.7 ms in 480 sort kernels of a 3,072-row prefill
+call on the H200 (experiments/results/profiles_2026-12-04/prefill/). It is not yet timed there, so the argsort stays
+the default (`LARGE_ORDER`; experiments/prefill_timing.py --variants packed packed_count_order is the A/B). For at most `routing_triton.MAX_PAIRS` pairs the
 Pallas MoE backend runs this whole schedule as one Pallas program instead (kernels/moe/routing_triton.py), with the
 same outputs; this module is its reference.
 """
@@ -51,8 +52,8 @@ class BlockSchedule:
         return self.block_expert.shape[0]
 
 
-RANK_MAX_PAIRS = 2048  # the [M, M] compare stays a few MB; above it (prefill) the [T, E + 1] cumsum is cheaper
-LARGE_ORDER = "count"  # above RANK_MAX_PAIRS: "count" (the cumsum counting sort) or "argsort" (a stable argsort)
+RANK_MAX_PAIRS = 2048  # the [M, M] compare stays a few MB; above it (prefill) it would not
+LARGE_ORDER = "argsort"  # above RANK_MAX_PAIRS: "argsort" (a stable argsort) or "count" (the cumsum counting sort)
 
 
 def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
