@@ -113,24 +113,22 @@ def time_steps(codec: Codec, batch: int, chunk: int, steps: int, repeats: int, s
             "steps_per_run": steps, "runs": repeats}
 
 
-def profile_steps(codec: Codec, batch: int, chunk: int, n: int, trace_dir: str, hlo_path: str | None = None) -> dict:
+def profile_steps(codec: Codec, batch: int, chunk: int, n: int, trace_dir: str, hlo_out: str | None = None) -> dict:
     """GPU kernel time of `n` streaming steps (B streams x T new frames) by codec stage and op, per step; the step's
-    compiled HLO is written to `hlo_path` if given (the fusions behind the kernel names)."""
+    compiled HLO gzipped to `hlo_out` if given (the fusions behind the kernel names)."""
     r = np.random.default_rng(0)
     codes = jnp.asarray(np.stack([r.integers(0, k, (batch, chunk)) for k in codec.cfg.codebook_sizes], axis=1),
                         jnp.int32)
     state = codec.init_state(batch)
     hlo = codec.step_hlo(state, codes)
-    if hlo_path:
-        with open(hlo_path, "w") as fh:
-            fh.write(hlo)
 
     def run():
         nonlocal state
         audio, state = codec.step(state, codes)
         return audio
 
-    return profile_calls(run, hlo, n, trace_dir, warmup=2, module="_step", categories=PROFILE_CATEGORIES)
+    return profile_calls(run, hlo, n, trace_dir, warmup=2, module="_step", categories=PROFILE_CATEGORIES,
+                         hlo_out=hlo_out)
 
 
 def parse_config(text: str) -> tuple[str, int, int]:
@@ -202,7 +200,7 @@ def main(argv=None):
         report["profile"] = {"dtype": dtype, "batch": batch, "chunk_frames": chunk,
                              **profile_steps(codecs[dtype], batch, chunk, args.profile_steps,
                                              str(out / f"trace_{dtype}_{batch}_{chunk}"),
-                                             str(out / f"codec_step_{dtype}_{batch}_{chunk}.hlo.txt"))}
+                                             str(out / f"hlo_{dtype}_{batch}_{chunk}.txt.gz"))}
     meta["total_s"] = time.perf_counter() - t_start
     (out / "codec_throughput.json").write_text(json.dumps(report, indent=1))
     print(f"\n{meta['device']}  decode {flops_audio_s / 1e9:.1f} GFLOP per audio second "

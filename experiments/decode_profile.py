@@ -237,23 +237,28 @@ def gpu_kernel_events(trace_dir: str) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
 
 
-def profile(step, params, state, hlo_text: str, n_steps: int, trace_dir: str) -> dict:
-    """Device time of `n_steps` decode steps by category and op (ms per step), after 3 warm-up steps."""
+def profile(step, params, state, hlo_text: str, n_steps: int, trace_dir: str, hlo_out: str | None = None) -> dict:
+    """Device time of `n_steps` decode steps by category and op (ms per step), after 3 warm-up steps; the compiled
+    HLO gzipped to `hlo_out` if given."""
     def run():
         nonlocal state
         row, state = step(params, state)
         return row
 
-    p = profile_calls(run, hlo_text, n_steps, trace_dir, warmup=3)
+    p = profile_calls(run, hlo_text, n_steps, trace_dir, warmup=3, hlo_out=hlo_out)
     return {k.replace("_per_call", "_per_step"): v for k, v in p.items()}
 
 
 def profile_calls(run, hlo_text: str, n_calls: int, trace_dir: str, *, warmup: int = 1,
-                  module: str | None = None, categories: tuple[str, ...] = CATEGORIES) -> dict:
+                  module: str | None = None, categories: tuple[str, ...] = CATEGORIES,
+                  hlo_out: str | None = None) -> dict:
     """Profile `n_calls` of run() (which returns something to block on) after `warmup` calls: GPU kernel time per call
     by category (the first of `categories` among the name scopes of `hlo_text`'s ops), by op and by name-scope path.
     With `module`, kernels of other jitted modules (e.g. a prefill's cache set-up) are summed apart as
     "other_modules_ms_per_call"."""
+    if hlo_out:  # the fusions behind the kernel names, gzipped (the HLO of the full model is megabytes)
+        with gzip.open(hlo_out, "wt") as fh:
+            fh.write(hlo_text)
     names, kernels = op_names_from_hlo(hlo_text), kernel_names_from_hlo(hlo_text)
     for _ in range(warmup):
         jax.block_until_ready(run())
@@ -281,7 +286,7 @@ def profile_calls(run, hlo_text: str, n_calls: int, trace_dir: str, *, warmup: i
         per_scope[op_name][0] += dur
         per_scope[op_name][1] += 1 / n_calls
     span = (max(e["ts"] + e["dur"] for e in events) - min(e["ts"] for e in events)) / 1e3 / n_calls if events else 0
-    top = sorted(per_op.items(), key=lambda kv: -kv[1])[:40]
+    top = sorted(per_op.items(), key=lambda kv: -kv[1])[:120]
     scopes = sorted(([k, round(v[0], 5), round(v[1], 2)] for k, v in per_scope.items()), key=lambda r: -r[1])
     out = {"kernel_ms_per_call": dict(per_cat), "unattributed_ms_per_call": unattributed,
            "gpu_span_ms_per_call": span, "n_events": len(events), "top_ops": top, "by_scope": scopes[:80]}
@@ -354,7 +359,8 @@ def main(argv=None):
                 row["pct_roofline"] = 100 * row["roofline_ms"] / back
             else:
                 p = profile(step, prm, state, compiled.as_text(), args.profile_steps,
-                            os.path.join(args.out, f"trace_{variant}_{slots}"))
+                            os.path.join(args.out, f"trace_{variant}_{slots}"),
+                            os.path.join(args.out, f"hlo_{variant}_{slots}.txt.gz"))
                 row.update(p)
                 row["categories"] = {c: {"kernel_ms": p["kernel_ms_per_step"].get(c, 0.0), **roof.get(c, {})}
                                      for c in sorted(set(roof) | set(p["kernel_ms_per_step"]))}

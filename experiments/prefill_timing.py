@@ -167,7 +167,10 @@ def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarr
         _, call = make_call(0)
         hlo = prefiller.packed_hlo(N, lanes) if packed else prefiller.chunk_hlo(batch)
         out["profile"] = profile_calls(call, hlo, profile_n, trace_dir,
-                                       module="prefill_packed_step" if packed else "prefill_step")
+                                       module="prefill_packed_step" if packed else "prefill_step",
+                                       hlo_out=os.path.join(os.path.dirname(trace_dir),
+                                                            os.path.basename(trace_dir).replace("trace_", "hlo_")
+                                                            + ".txt.gz"))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -20,6 +21,8 @@ def test_timing_and_profile_by_stage(tmp_path):
     for row in rows:
         assert (row["dtype"], row["batch"], row["chunk_frames"]) == ("float32", 2, 4) and row["ms_per_step"] > 0
     ms = R["profile"]["kernel_ms_per_call"]
+    with gzip.open(tmp_path / "hlo_float32_2_4.txt.gz", "rt") as fh:  # the profiled step's compiled HLO
+        assert fh.read().startswith("HloModule")
     for stage in codec_throughput.PROFILE_CATEGORIES:
         assert ms.get(stage, 0) > 0, (stage, ms)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -39,6 +40,8 @@ def test_timing_and_profile_phases(tmp_path):
     assert sum(ms_ for ms_, _ in scopes.values()) <= sum(ms.values()) + 1e-6  # a split of the attributed time
     assert "By op" in (tmp_path / "decode_profile.md").read_text()
     assert (tmp_path / "decode_profile.png").stat().st_size > 0
+    with gzip.open(tmp_path / "hlo_pallas_bf16_3.txt.gz", "rt") as fh:  # the fusions behind the kernel names
+        assert fh.read().startswith("HloModule")
 
 
 def test_variant_patches_hold_while_open_and_are_undone():

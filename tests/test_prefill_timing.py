@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -29,6 +30,8 @@ def test_prefill_timing_table(tmp_path):
     md = (tmp_path / "prefill_timing.md").read_text()
     assert "| no_skip | 2 |" in md and "by category" in md
     ms = R["rows"][0]["profile"]["kernel_ms_per_call"]
+    with gzip.open(tmp_path / "hlo_default_2.txt.gz", "rt") as fh:  # the profiled call's compiled HLO
+        assert fh.read().startswith("HloModule")
     for category in ("moe_experts", "gdn_core", "attention_core", "backbone", "tower"):
         assert ms.get(category, 0) > 0, (category, ms)
 
