@@ -84,6 +84,8 @@ W8A8_PREFILL_VARIANTS = {  # around the prefill base (64-row blocks, 128 x 128 t
     # 128-wide ones); ptxas: gate/up 182 registers, no spill; down 212 (128-wide N) or 157 (64-wide), no spill
     "bm128,gu_bn64,w8": dict(block_m=128, gu_block_n=64, gu_warps=8, dn_warps=8),
     "bm128,gu_bn64,w8,dn_bn64": dict(block_m=128, gu_block_n=64, gu_warps=8, dn_block_n=64, dn_warps=8),
+    # the same with 2 stages (82 KB of shared memory each; ptxas: 175 / 222 registers, no spill)
+    "bm128,gu_bn64,w8,s2": dict(block_m=128, gu_block_n=64, gu_warps=8, dn_warps=8, gu_stages=2, dn_stages=2),
 }
 
 
