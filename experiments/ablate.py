@@ -402,6 +402,22 @@ def engine_overrides(items: list[str]) -> dict:
     return out
 
 
+def log_persistent_cache():
+    """Log JAX's persistent-compilation-cache hits, misses (with their keys) and skipped writes at INFO: which engine
+    compile reused which executable (a second engine of the same shapes recompiled on the H200, ablate_128_g/)."""
+    wanted = ("Persistent compilation cache hit", "PERSISTENT COMPILATION CACHE MISS", "Not writing persistent cache")
+
+    def keep(record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(wanted):
+            return False
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+    compiler_log = logging.getLogger("jax._src.compiler")
+    compiler_log.setLevel(logging.DEBUG)
+    compiler_log.addFilter(keep)
+
+
 def run_order(names: list[str], base: EngineConfig) -> list[str]:
     """The --configs rows in their order, except that 'full' and the rows that change only POLICY_FIELDS of it come
     first: they all run on full's engine (LiveEngine) before any row replaces it."""
@@ -424,6 +440,7 @@ def build_parts(preset: str):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_persistent_cache()
     t0 = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
     if args.compilation_cache:

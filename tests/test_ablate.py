@@ -42,6 +42,7 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
     assert (full["pipeline_depth"], sync["pipeline_depth"]) == (1, 0)
     assert rows["sync_tick"]["change"] == "pipeline_depth: 1 -> 0"
     assert table.strip() in proc.stdout  # the table is printed last
+    assert "persistent compilation cache" in proc.stderr.lower()  # each compile's cache hit / miss, with its key
     trace = rows["full_profiled"]["trace"]  # the profiled window: GPU (here host-thunk) time per module
     assert 0 < trace["busy_share"] <= 1 and trace["kernels"] > 0
     assert trace["module_ms_per_s"]["jit_decode_step"] > 0 and "jit_prefill_step" in trace["module_ms_per_s"]
