@@ -403,9 +403,11 @@ def engine_overrides(items: list[str]) -> dict:
 
 
 def log_persistent_cache():
-    """Log JAX's persistent-compilation-cache hits, misses (with their keys) and skipped writes at INFO: which engine
-    compile reused which executable (a second engine of the same shapes recompiled on the H200, ablate_128_g/)."""
-    wanted = ("Persistent compilation cache hit", "PERSISTENT COMPILATION CACHE MISS", "Not writing persistent cache")
+    """Log JAX's persistent-compilation-cache hits, misses (with their keys), writes and skipped writes at INFO:
+    which engine compile reused which executable (a second engine of the same shapes recompiled on the H200,
+    ablate_128_g/)."""
+    wanted = ("Persistent compilation cache hit", "PERSISTENT COMPILATION CACHE MISS", "Not writing persistent cache",
+              "Writing ")
 
     def keep(record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith(wanted):
@@ -413,9 +415,10 @@ def log_persistent_cache():
         record.levelno, record.levelname = logging.INFO, "INFO"
         return True
 
-    compiler_log = logging.getLogger("jax._src.compiler")
-    compiler_log.setLevel(logging.DEBUG)
-    compiler_log.addFilter(keep)
+    for name in ("jax._src.compiler", "jax._src.compilation_cache"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        logger.addFilter(keep)
 
 
 def run_order(names: list[str], base: EngineConfig) -> list[str]:
