@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plt
 f32 = jnp.float32
 
 # rows per program and warps: few rows per program keep the k sequential rounds of row reductions short (one warp's
-# shuffles for a [4, 256] tile); unmeasured on the H200 so far, see experiments/results/ for the sweep once run
+# shuffles for a [4, 256] tile). Not yet timed on the H200 (experiments/router_bench.py times it against lax.top_k).
 TUNING = {"block_rows": 4, "num_warps": 1}
 
 
