@@ -338,21 +338,24 @@ def test_gdn_kernels_in_the_model_on_the_v_major_cache(jax_fp32, tiny_cfg, monke
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_backbone_with_the_router_kernel_equals_the_reference_router(jax_fp32, tiny_cfg):
-    """Backends.router reaches every MoE layer: a prefill and a decode step with the Pallas router (interpret mode,
-    the same XLA ops on the CPU) give the reference router's hidden states exactly."""
+def test_backbone_passes_its_router_backend_to_every_moe_layer(jax_fp32, tiny_cfg, monkeypatch):
+    """Backends.router reaches the router of every MoE layer (traced only), and one layer's output with the Pallas
+    router (interpret mode: the same XLA ops on the CPU) equals the reference router's exactly."""
     import dataclasses
 
+    from drama3_jax import backbone
     from drama3_jax.backbone import Backends
 
+    seen = []
+    real = backbone.router_topk
+    monkeypatch.setattr(backbone, "router_topk", lambda *a, backend, **kw: seen.append(backend) or real(*a, **kw))
     rows = jnp.asarray(random_rows(tiny_cfg, 2, 12, seed=21, semantic_from=4))
-    nxt = jnp.asarray(random_rows(tiny_cfg, 2, 1, seed=22, semantic_from=0))
-    out = []
-    for router in ("reference", "pallas_triton"):
-        b = dataclasses.replace(Backends(), router=router)
-        cache = init_cache(jax_fp32.cfg.text, 2, 16, jnp.float32)
-        h, cache = jax_fp32.forward(rows, cache, jnp.asarray([12, 7], jnp.int32), fresh=True, backends=b)
-        step, _ = jax_fp32.forward(nxt, cache, jnp.ones(2, jnp.int32), backends=b)
-        out.append((np.asarray(h), np.asarray(step)))
-    for a, b in zip(*out):
-        np.testing.assert_array_equal(a, b)
+    cache = init_cache(jax_fp32.cfg.text, 2, 16, jnp.float32)
+    b = dataclasses.replace(Backends(), router="pallas_triton")
+    jax.make_jaxpr(lambda r: jax_fp32.forward(r, cache, jnp.asarray([12, 7], jnp.int32), fresh=True, backends=b))(rows)
+    assert seen == ["pallas_triton"] * tiny_cfg.text.num_hidden_layers
+    monkeypatch.setattr(backbone, "router_topk", real)
+    moe = jax_fp32.model.language_model.layers[0].mlp
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((9, tiny_cfg.text.hidden_size)), jnp.float32)
+    ref, kern = (np.asarray(moe(x, backend="reference", router=r)) for r in ("reference", "pallas_triton"))
+    np.testing.assert_array_equal(kern, ref)
