@@ -9,10 +9,10 @@ compile time, and each row's full engine configuration in the JSON.
 The model parts are built once. A configuration that differs from the live engine's in admission / guard / tick fields
 only (`serving.engine.POLICY_FIELDS`: rows admit_now, sync_tick, guard_*, prefill_wait_*, codec_bridge) runs on that
 engine, reconfigured ("compile s" 0); any other gets a fresh `Engine` (warm-up compile, run; the previous one shut
-down and its device memory freed).
-Requests are the benchmark client's request bodies, validated and prepared by the server's own code
-(`serving.api.prepare_request`), and the figures come from `serving.bench.metrics.round_summary`, so they are defined
-exactly as `drama3-bench` defines them (chunk arrival = the engine's audio callback; bytes = samples * 2 as s16le).
+down and its device memory freed). Requests are the benchmark client's request bodies, validated and prepared by the
+server's own code (`serving.api.prepare_request`), and the figures come from `serving.bench.metrics.round_summary`, so
+they are defined exactly as `drama3-bench` defines them (chunk arrival = the engine's audio callback; bytes = samples
+* 2 as s16le).
 JSON and Markdown are rewritten after every configuration (partial results survive a time-out); a configuration that
 would not finish within --budget-s (judging by the quickest one run so far, its compilation left out: a row that
 reuses the compiled shapes compiles nothing, and the first row's cold compile would otherwise skip every other row) is

@@ -151,7 +151,7 @@ def main(argv=None):
                     help="dtype:streams:frames per step, most important first")
     ap.add_argument("--profile-steps", type=int, default=0, help="profile this many steps of the first config")
     ap.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS),
-                    help="code variants, each over every config (the profile runs with the first)")
+                    help="code variants, each over every config (the profile runs the default code)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     cfg = codec_preset(args.preset)

@@ -124,7 +124,7 @@ def batch_rows(cfg, lengths: np.ndarray, chunk: int, rng) -> np.ndarray:
 
 def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarray, calls: int, max_len: int,
                  profile_n: int = 0, trace_dir: str = "", packed: bool = False,
-                 lane_rows: int = EngineConfig.prefill_lane_rows):
+                 lane_rows: int = EngineConfig.prefill_lane_rows, hlo_out: str | None = None):
     """batch prompts per call ([batch, chunk] calls), or with `packed` up to batch prompts per packed call of the
     engine's default buckets (EngineConfig.packed_buckets), a fixed bucket per run (the first call's)."""
     prefiller = Prefiller(model, max_len, chunk, backends, state_dtype=jnp.bfloat16)
@@ -167,10 +167,7 @@ def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarr
         _, call = make_call(0)
         hlo = prefiller.packed_hlo(N, lanes) if packed else prefiller.chunk_hlo(batch)
         out["profile"] = profile_calls(call, hlo, profile_n, trace_dir,
-                                       module="prefill_packed_step" if packed else "prefill_step",
-                                       hlo_out=os.path.join(os.path.dirname(trace_dir),
-                                                            os.path.basename(trace_dir).replace("trace_", "hlo_")
-                                                            + ".txt.gz"))
+                                       module="prefill_packed_step" if packed else "prefill_step", hlo_out=hlo_out)
     return out
 
 
@@ -249,7 +246,8 @@ def main(argv=None):
             with patched(patches):
                 res = guard(errors, f"{name} batch {b}", time_variant, model, cfg, backends, b, args.chunk, lengths,
                             args.calls, args.max_len, args.profile_calls, os.path.join(args.out, f"trace_{name}_{b}"),
-                            packed(name), lane_rows or EngineConfig.prefill_lane_rows)
+                            packed(name), lane_rows or EngineConfig.prefill_lane_rows,
+                            os.path.join(args.out, f"hlo_{name}_{b}.txt.gz"))
             if res is None:
                 row["error"] = errors[-1][:200]
             else:

@@ -114,7 +114,8 @@ class EngineConfig:
     # decode steps run over slots [0, n), n the smallest of these sizes (or the pool) above every occupied slot (new
     # streams take the lowest free slot): a step's cost follows the slots it covers, not the active streams (30.1 ms
     # at 256 slots vs 23.4 at 128 on the H200, experiments/results/decode_timing.md). () = always the whole pool. Each
-    # size is one more compiled decode step. Not yet measured on the H200, hence off.
+    # size is one more compiled decode step. Off here (the tiny model); serving.launch sets FULL_SIZE_DECODE_SIZES for a
+    # full-size model (+4.4-4.8% audio s/s at 128 streams on the H200, experiments/results/serve_bench_17/, _18/).
     decode_sizes: tuple[int, ...] = ()
     # with decode_sizes: when the streams would fit a smaller step but some sit in slots above it (the slots below
     # were freed by streams that ended first), move up to this many of the highest into free lower slots per step

@@ -9,16 +9,16 @@ padded copy). The number of blocks depends on the routing, so the schedule is si
 (every non-empty expert wastes at most block_m - 1 rows), and blocks past the used ones carry expert -1 and are skipped
 by the kernels. Shapes depend only on (T, k, E, block_m): no recompilation per batch composition, no host sync.
 
-The expert order of the pairs is a counting sort, the same permutation as a stable argsort by expert: at decode sizes
-(M <= `RANK_MAX_PAIRS`) each pair's rank among the pairs of its expert comes from a [M, M] compare-and-count that XLA
-fuses into one kernel (the argsort it replaced took 10.5 us per layer at M = 1,024 on the H200,
-experiments/results/decode_profile_fused_2026-12-01/); above it (prefill) from an exclusive cumsum over tokens of the
-[T, E + 1] per-token expert counts, plus the pair's offset among equal ids of its own token; then one scatter either
-way. The prefill form replaces a stable argsort of the M keys, 1.7 ms in 480 sort kernels of a 3,072-row prefill
-call on the H200 (experiments/results/profiles_2026-12-04/prefill/). It is not yet timed there, so the argsort stays
-the default (`LARGE_ORDER`; experiments/prefill_timing.py --variants packed packed_count_order is the A/B). For at most `routing_triton.MAX_PAIRS` pairs the
-Pallas MoE backend runs this whole schedule as one Pallas program instead (kernels/moe/routing_triton.py), with the
-same outputs; this module is its reference.
+The expert order of the pairs is the stable sort of the pairs by expert. At decode sizes (M <= `RANK_MAX_PAIRS`) it
+is a counting sort: each pair's rank among the pairs of its expert from a [M, M] compare-and-count that XLA fuses
+into one kernel, then one scatter (the argsort it replaced took 10.5 us per layer at M = 1,024 on the H200,
+experiments/results/decode_profile_fused_2026-12-01/). Above it (prefill) the default is a stable argsort of the M
+keys (1.7 ms in 480 sort kernels of a 3,072-row prefill call, experiments/results/profiles_2026-12-04/prefill/);
+`LARGE_ORDER = "count"` replaces it by a counting sort too, an exclusive cumsum over tokens of the [T, E + 1] per-
+token expert counts plus each pair's offset among equal ids of its own token, not yet timed on the H200
+(experiments/prefill_timing.py --variants packed packed_count_order is the A/B). For at most
+`routing_triton.MAX_PAIRS` pairs the Pallas MoE backend runs this whole schedule as one Pallas program instead
+(kernels/moe/routing_triton.py), with the same outputs; this module is its reference.
 """
 
 from __future__ import annotations
