@@ -59,10 +59,10 @@ class Snake(nnx.Module):
 
 
 # 1x1 convs (the residual units' conv2) as a matmul over the channels rather than a cuDNN conv: in XLA a GEMM may take
-# the Snake before it as a fused operand computation and the residual add after it as its epilogue, where a cuDNN
-# conv stays a call of its own between two elementwise passes (the 128-stream codec call spends ~0.8 ms per
-# residual unit on those passes at the two widest rates: experiments/results/profiles_2026-12-04/codec/). Not yet timed on the
-# H200, so off by default: experiments/codec_throughput.py --variants default pointwise_matmul is the A/B.
+# the Snake before it as a fused operand computation and the residual add after it as its epilogue, where a cuDNN conv
+# stays a call of its own between two elementwise passes (the 128-stream codec call spends ~0.8 ms per residual unit
+# on those passes at the two widest rates: experiments/results/profiles_2026-12-04/codec/). Not yet timed on the H200,
+# so off by default: experiments/codec_throughput.py --variants default pointwise_matmul is the A/B.
 POINTWISE_AS_MATMUL = False
 
 
