@@ -16,7 +16,7 @@ one warm-up call, a new batch of prompts each call. Variants:
   packed_xla_attention  packed, with XLA's attention for the prompt rows instead of the flash prefill kernel
             (attention backend "pallas_triton_decode")
   packed_router  packed, with the Pallas router top-k (kernels/router) instead of lax.top_k + softmax
-  packed_count_order  packed, with the MoE's expert order from the cumsum counting sort, not an argsort
+  packed_argsort_order  packed, with the MoE's expert order from a stable argsort, not the cumsum counting sort
             (kernels/moe/routing.py LARGE_ORDER)
   packed_fp32_qkv  packed, with the GDN conv's q / k / v in fp32 (drama3_jax/backbone.py GDN_CONV_OUT_IN_MODEL_DTYPE)
   packed_gdn_osplit  packed, with the GDN prefill's output computed by its own launch after the state walk
@@ -70,8 +70,8 @@ def variants(cfg) -> dict[str, Backends]:
 # patches)
 PATCHES = {"packed_gdn_osplit": ("packed", [("kernels.gdn.pallas_triton", "TUNING", "prefill_state",
                                               {"separate_output": True})]),
-           # the experts' pair order by the cumsum counting sort instead of a stable argsort (kernels/moe/routing.py)
-           "packed_count_order": ("packed", [("kernels.moe.routing", "LARGE_ORDER", None, "count")]),
+           # the experts' pair order by a stable argsort instead of the cumsum counting sort (kernels/moe/routing.py)
+           "packed_argsort_order": ("packed", [("kernels.moe.routing", "LARGE_ORDER", None, "argsort")]),
            # the GDN conv output (q, k, v) kept in fp32 (before drama3_jax/backbone.py GDN_CONV_OUT_IN_MODEL_DTYPE)
            "packed_fp32_qkv": ("packed", [("drama3_jax.backbone", "GDN_CONV_OUT_IN_MODEL_DTYPE", None, False)])}
 

@@ -12,12 +12,11 @@ by the kernels. Shapes depend only on (T, k, E, block_m): no recompilation per b
 The expert order of the pairs is the stable sort of the pairs by expert. At decode sizes (M <= `RANK_MAX_PAIRS`) it
 is a counting sort: each pair's rank among the pairs of its expert from a [M, M] compare-and-count that XLA fuses
 into one kernel, then one scatter (the argsort it replaced took 10.5 us per layer at M = 1,024 on the H200,
-experiments/results/decode_profile_fused_2026-12-01/). Above it (prefill) the default is a stable argsort of the M
-keys (1.7 ms in 480 sort kernels of a 3,072-row prefill call, experiments/results/profiles_2026-12-04/prefill/);
-`LARGE_ORDER = "count"` replaces it by a counting sort too, an exclusive cumsum over tokens of the [T, E + 1] per-
-token expert counts plus each pair's offset among equal ids of its own token, not yet timed on the H200
-(experiments/prefill_timing.py --variants packed packed_count_order is the A/B). For at most
-`routing_triton.MAX_PAIRS` pairs the Pallas MoE backend runs this whole schedule as one Pallas program instead
+experiments/results/decode_profile_fused_2026-12-01/). Above it (prefill) it is a counting sort too (the default,
+`LARGE_ORDER = "count"`): an exclusive cumsum over tokens of the [T, E + 1] per-token expert counts plus each pair's
+offset among equal ids of its own token. In a 3,072-row prefill call on the H200 that took the call from 71.5 to 68.7
+ms against the stable argsort of the M keys (`"argsort"`, 480 sort kernels; experiments/results/ab_2026-12-04/). For at
+most `routing_triton.MAX_PAIRS` pairs the Pallas MoE backend runs this whole schedule as one Pallas program instead
 (kernels/moe/routing_triton.py), with the same outputs; this module is its reference.
 """
 
@@ -53,7 +52,7 @@ class BlockSchedule:
 
 
 RANK_MAX_PAIRS = 2048  # the [M, M] compare stays a few MB; above it (prefill) it would not
-LARGE_ORDER = "argsort"  # above RANK_MAX_PAIRS: "argsort" (a stable argsort) or "count" (the cumsum counting sort)
+LARGE_ORDER = "count"  # above RANK_MAX_PAIRS: "count" (the cumsum counting sort) or "argsort" (a stable argsort)
 
 
 def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
