@@ -115,9 +115,7 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                   "-> W8A16 (bf16 activations)", _backends(moe_activations="bf16")),
     "moe_padding": ("MoE skips the prompt padding of a prefill -> computes it", _backends(moe_skip_padding=False)),
     "sampling_ref": ("fused sampling kernel -> sort-based reference", _backends(sampling="reference")),
-    # a candidate, not yet the default: Backends.auto() keeps lax.top_k until the kernel is timed on the H200
-    "router_kernel": ("router top-k lax.top_k + softmax -> the Pallas router kernel (candidate)",
-                      _backends(router="pallas_triton")),
+    "router_ref": ("Pallas router top-k + softmax kernel -> lax.top_k + softmax", _backends(router="reference")),
     "ssm_fp32": ("bf16 GDN state -> fp32", lambda c: dataclasses.replace(c, ssm_state_dtype="float32")),
     "four_frames": ("one frame per host call (the server default, pipelined) -> 4 frames per call (multi-frame "
                     "decode: a scan of 4 frame steps in one executable)",

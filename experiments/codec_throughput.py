@@ -46,8 +46,8 @@ PROFILE_CATEGORIES = ("codec_embed", "codec_post_module", "codec_upsample", "cod
 # name -> experiments.common.patched patches applied while the step is traced
 VARIANTS = {
     "default": [],
-    # the residual units' 1x1 convs as matmuls, not cuDNN convs (drama3_jax/codec/layers.py POINTWISE_AS_MATMUL)
-    "pointwise_matmul": [("drama3_jax.codec.layers", "POINTWISE_AS_MATMUL", None, True)],
+    # the residual units' 1x1 convs as cuDNN convs, not matmuls (drama3_jax/codec/layers.py POINTWISE_AS_MATMUL)
+    "pointwise_conv": [("drama3_jax.codec.layers", "POINTWISE_AS_MATMUL", None, False)],
 }
 DEFAULT_CONFIGS = ("bfloat16:128:32", "bfloat16:128:10", "bfloat16:32:32", "bfloat16:32:10", "bfloat16:1:10",
                    "bfloat16:1:32", "float32:128:32", "float32:1:10")

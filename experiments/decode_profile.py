@@ -52,9 +52,9 @@ VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Mod
     "pallas_bf16_ref_attention": (dataclasses.replace(Backends.auto(), attention="reference"), "bfloat16", False),
     "pallas_bf16_w8a8": (dataclasses.replace(Backends.auto(), moe_activations="fp8"), "bfloat16", False),
     "pallas_bf16_w8a8_fused": (dataclasses.replace(Backends.auto(), moe_activations="fp8"), "bfloat16", True),
-    # with the Pallas router top-k (kernels/router) instead of lax.top_k + softmax (opt-in until timed)
-    "pallas_bf16_w8a8_fused_router": (
-        dataclasses.replace(Backends.auto(), moe_activations="fp8", router="pallas_triton"), "bfloat16", True),
+    # with lax.top_k + softmax for the router instead of the Pallas router kernel (kernels/router)
+    "pallas_bf16_w8a8_fused_ref_router": (
+        dataclasses.replace(Backends.auto(), moe_activations="fp8", router="reference"), "bfloat16", True),
     "pallas_bf16_dense": (dataclasses.replace(Backends.auto(), dense="auto"), "bfloat16", False),
     "pallas_bf16_w8a8_dense": (dataclasses.replace(Backends.auto(), moe_activations="fp8", dense="auto"), "bfloat16",
                                False),

@@ -15,7 +15,7 @@ one warm-up call, a new batch of prompts each call. Variants:
             prompts in a later call when they would not fit it)
   packed_xla_attention  packed, with XLA's attention for the prompt rows instead of the flash prefill kernel
             (attention backend "pallas_triton_decode")
-  packed_router  packed, with the Pallas router top-k (kernels/router) instead of lax.top_k + softmax
+  packed_ref_router  packed, with lax.top_k + softmax for the router instead of the Pallas kernel (kernels/router)
   packed_argsort_order  packed, with the MoE's expert order from a stable argsort, not the cumsum counting sort
             (kernels/moe/routing.py LARGE_ORDER)
   packed_fp32_qkv  packed, with the GDN conv's q / k / v in fp32 (drama3_jax/backbone.py GDN_CONV_OUT_IN_MODEL_DTYPE)
@@ -63,7 +63,7 @@ def variants(cfg) -> dict[str, Backends]:
     base = dataclasses.replace(Backends.auto(), moe_activations=default_moe_activations(cfg))
     return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False), "packed": base,
             "packed_xla_attention": dataclasses.replace(base, attention="pallas_triton_decode"),
-            "packed_router": dataclasses.replace(base, router="pallas_triton")}
+            "packed_ref_router": dataclasses.replace(base, router="reference")}
 
 
 # variants that are another variant with module tables patched while traced: name -> (base, experiments.common.patched
@@ -212,7 +212,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--variants", nargs="+", default=["default", "no_skip", "packed"],
-                    choices=["default", "no_skip", "packed", "packed_xla_attention", "packed_router"]
+                    choices=["default", "no_skip", "packed", "packed_xla_attention", "packed_ref_router"]
                     + sorted(PATCHES))
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--lane-rows", type=int, nargs="+", default=[EngineConfig.prefill_lane_rows],

@@ -13,11 +13,11 @@ from experiments import codec_throughput
 def test_timing_and_profile_by_stage(tmp_path):
     rc = codec_throughput.main(["--out", str(tmp_path), "--preset", "tiny", "--configs", "float32:2:4",
                                 "--steps", "2", "--repeats", "1", "--profile-steps", "1",
-                                "--variants", "default", "pointwise_matmul"])
+                                "--variants", "default", "pointwise_conv"])
     assert rc == 0
     R = json.loads((tmp_path / "codec_throughput.json").read_text())
     rows = R["results"]
-    assert [r["variant"] for r in rows] == ["default", "pointwise_matmul"]
+    assert [r["variant"] for r in rows] == ["default", "pointwise_conv"]
     for row in rows:
         assert (row["dtype"], row["batch"], row["chunk_frames"]) == ("float32", 2, 4) and row["ms_per_step"] > 0
     ms = R["profile"]["kernel_ms_per_call"]

@@ -61,9 +61,10 @@ class Snake(nnx.Module):
 # 1x1 convs (the residual units' conv2) as a matmul over the channels rather than a cuDNN conv: in XLA a GEMM may take
 # the Snake before it as a fused operand computation and the residual add after it as its epilogue, where a cuDNN conv
 # stays a call of its own between two elementwise passes (the 128-stream codec call spends ~0.8 ms per residual unit
-# on those passes at the two widest rates: experiments/results/profiles_2026-12-04/codec/). Not yet timed on the H200,
-# so off by default: experiments/codec_throughput.py --variants default pointwise_matmul is the A/B.
-POINTWISE_AS_MATMUL = False
+# on those passes at the two widest rates: experiments/results/profiles_2026-12-04/codec/). On the H200 the 128 x 8
+# streaming call took 31.00 against 31.65 ms as cuDNN convs, the 8 x 4 one 6.46 against 6.91 ms
+# (experiments/results/ab_2026-12-04/codec/; `codec_throughput.py --variants default pointwise_matmul` is the A/B).
+POINTWISE_AS_MATMUL = True
 
 
 class CausalConv1d(nnx.Module):
