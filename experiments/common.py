@@ -1,5 +1,7 @@
 """Helpers shared by the experiment scripts: the reproducible command line, a timestamped log, JSON results, and
-`guard` (a failing variant is recorded, the run goes on)."""
+`guard` (a failing variant is recorded, the run goes on). Importing it applies the server's default XLA flags
+(drama3_jax/xla_flags.py) where XLA_FLAGS does not set them, so the scripts measure what the server runs; every
+script imports it before its first device use."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import sys
 import time
 import traceback
 
+from drama3_jax.xla_flags import apply_default_xla_flags
+
+apply_default_xla_flags()
 _T0 = time.time()
 
 

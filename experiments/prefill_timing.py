@@ -229,6 +229,7 @@ def main(argv=None):
     weight_bytes, active = active_params(model)
     log(f"talker built in {time.time() - t:.1f} s: {weight_bytes / 2**30:.1f} GiB, {active / 1e9:.2f} B active params")
     R = {"command": command_line(args.out), "device": str(jax.devices()[0]), "jax": jax.__version__,
+         "xla_flags": os.environ.get("XLA_FLAGS", ""),
          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "preset": args.preset, "chunk": args.chunk,
          "prompts": args.prompts, "length_min": int(lengths.min()), "length_max": int(lengths.max()),
          "length_mean": float(lengths.mean()), "weight_gb": weight_bytes / 1e9, "active_params_b": active / 1e9,

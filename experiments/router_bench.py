@@ -63,6 +63,7 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"command": command_line(args.out), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "E": E, "k": K, "rows": rows}
     with open(os.path.join(args.out, "router_bench.json"), "w") as fh:
         json.dump(result, fh, indent=1)

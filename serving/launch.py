@@ -144,6 +144,9 @@ def random_parts_in_memory(cfg, codec_cfg, dtype, seed: int = 0):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from drama3_jax.xla_flags import apply_default_xla_flags
+
+    log.info("XLA_FLAGS=%s", apply_default_xla_flags())  # before JAX starts its backends
     import jax
     import jax.numpy as jnp
     from flax import nnx

@@ -1,0 +1,45 @@
+"""drama3_jax/xla_flags.py: the default XLA flags are added to XLA_FLAGS unless it names them itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from drama3_jax.xla_flags import DEFAULT_XLA_FLAGS, apply_default_xla_flags, with_default_xla_flags
+
+MODE = "--xla_gpu_command_buffer_scheduling_mode"
+
+
+def test_defaults_are_added_and_the_users_flags_win():
+    assert DEFAULT_XLA_FLAGS == (("xla_gpu_command_buffer_scheduling_mode", "CONCURRENT"),)
+    assert with_default_xla_flags("") == f"{MODE}=CONCURRENT"
+    assert with_default_xla_flags(" --xla_gpu_enable_command_buffer= ") == \
+        f"--xla_gpu_enable_command_buffer= {MODE}=CONCURRENT"
+    assert with_default_xla_flags(f"{MODE}=LHS --xla_dump_to=/tmp/x") == f"{MODE}=LHS --xla_dump_to=/tmp/x"
+    once = with_default_xla_flags("--xla_dump_to=/tmp/x")
+    assert with_default_xla_flags(once) == once  # idempotent
+
+
+def test_apply_sets_the_environment(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert apply_default_xla_flags() == f"--xla_dump_to=/tmp/x {MODE}=CONCURRENT"
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {MODE}=CONCURRENT"
+    monkeypatch.setenv("XLA_FLAGS", f"{MODE}=SERIALIZE")
+    assert apply_default_xla_flags() == f"{MODE}=SERIALIZE"
+
+
+def test_experiment_scripts_apply_them_before_jax_starts():
+    """Importing an experiment script (which imports experiments.common first) sets the flags while no backend has
+    started, and a CPU computation runs under them."""
+    code = ("import experiments.decode_profile, os\n"
+            "from jax._src import xla_bridge\n"
+            "assert not xla_bridge.backends_are_initialized()\n"
+            "import jax.numpy as jnp\n"
+            "assert float(jnp.arange(4.0).sum()) == 6.0\n"
+            "print(os.environ['XLA_FLAGS'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == f"{MODE}=CONCURRENT"
