@@ -476,7 +476,8 @@ def main(argv=None):
     forced = [b["forced_frames"] for b in timed_bodies]
     result = {
         "command": command_line(args.out), "preset": args.preset, "device": str(jax.devices()[0]),
-        "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "device_kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "streams": args.streams,
         "weights_gib": weights / 2**30,
         "protocol": (f"synthetic English set (seed {args.seed}, {n_req} requests, references {args.ref_seconds[0]:g}-"

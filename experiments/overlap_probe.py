@@ -7,7 +7,8 @@ chains of kernels may run side by side. This probe measures whether they do, bef
 
     python experiments/overlap_probe.py --out DIR [--slots 128] [--codec 128:8] [--prefill 3072:8] [--preset full]
 
-In one process, each back to back after warm-up (median of windows, host clock around block_until_ready):
+In one process, each back to back after warm-up (experiments/decode_profile.py `time_step`: median of windows,
+host clock around block_until_ready):
   decode   the frame step over `--slots` slots (the server's kernels, experiments/decode_profile.py variant
            `pallas_bf16_w8a8_fused`)
   X        the partner alone: `codec` (the streaming codec step, B streams x T new frames, bf16) and, unless
@@ -40,25 +41,9 @@ from drama3_jax.model import init_model_cache  # noqa: E402
 from drama3_jax.packing import Packing, pack_layout  # noqa: E402
 from drama3_jax.random_init import random_talker  # noqa: E402
 from experiments.common import command_line, log, save_json  # noqa: E402
-from experiments.decode_profile import VARIANTS, make_state  # noqa: E402
+from experiments.decode_profile import VARIANTS, make_state, time_step  # noqa: E402
 
 VARIANT = "pallas_bf16_w8a8_fused"
-
-
-def median_ms(call, carry, windows: int, per_window: int):
-    """-> (median ms per call over `windows` windows of `per_window` back-to-back calls, carry). `call(carry)` returns
-    (outputs to wait on, next carry); 3 warm-up calls first."""
-    for _ in range(3):
-        out, carry = call(carry)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(windows):
-        t = time.perf_counter()
-        for _ in range(per_window):
-            out, carry = call(carry)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / per_window)
-    return 1e3 * float(np.median(times)), carry
 
 
 def parse_pair(text: str) -> tuple[int, int]:
@@ -144,19 +129,19 @@ def main(argv=None):
     w = (args.windows, args.per_window)
     decode_j = jax.jit(decode, donate_argnums=(1,))
     state = make_state(cfg, args.slots, args.max_len, args.context, state_dtype)
-    R["decode_ms"], state = median_ms(lambda s: decode_j(params, s), state, *w)
+    R["decode_ms"], _, state = time_step(decode_j, params, state, *w)
     log(f"decode step {R['decode_ms']:.2f} ms")
     lines = []
     for name, (xp, fn, carry) in partners.items():
         alone = jax.jit(fn, donate_argnums=(1,))
-        together = jax.jit(lambda p, s, xp, c, fn=fn: (decode(p, s), fn(xp, c)), donate_argnums=(1, 3))
 
-        def run_both(sc, together=together, xp=xp):
-            (row, s), (out, c) = together(params, sc[0], xp, sc[1])
+        def pair_step(ps, sc, fn=fn):  # (decode params, partner params), (decode state, partner carry)
+            (row, s), (out, c) = decode(ps[0], sc[0]), fn(ps[1], sc[1])
             return (row, out), (s, c)
 
-        x_ms, carry = median_ms(lambda c, alone=alone, xp=xp: alone(xp, c), carry, *w)
-        both_ms, (state, carry) = median_ms(run_both, (state, carry), *w)
+        x_ms, _, carry = time_step(alone, xp, carry, *w)
+        both_ms, _, (state, carry) = time_step(jax.jit(pair_step, donate_argnums=(1,)), (params, xp),
+                                               (state, carry), *w)
         serial = R["decode_ms"] + x_ms
         pair = {"alone_ms": x_ms, "with_decode_ms": both_ms, "serial_ms": serial,
                 "overlap": (serial - both_ms) / min(R["decode_ms"], x_ms)}
@@ -169,6 +154,7 @@ def main(argv=None):
           f"   XLA_FLAGS={R['xla_flags']}")
     print("\n".join(lines))
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,15 +16,15 @@ def test_defaults_are_added_and_the_users_flags_win():
     assert with_default_xla_flags("") == f"{MODE}=CONCURRENT"
     assert with_default_xla_flags(" --xla_gpu_enable_command_buffer= ") == \
         f"--xla_gpu_enable_command_buffer= {MODE}=CONCURRENT"
-    assert with_default_xla_flags(f"{MODE}=LHS --xla_dump_to=/tmp/x") == f"{MODE}=LHS --xla_dump_to=/tmp/x"
-    once = with_default_xla_flags("--xla_dump_to=/tmp/x")
+    assert with_default_xla_flags(f"{MODE}=LHS --xla_dump_to=xla_dump") == f"{MODE}=LHS --xla_dump_to=xla_dump"
+    once = with_default_xla_flags("--xla_dump_to=xla_dump")
     assert with_default_xla_flags(once) == once  # idempotent
 
 
 def test_apply_sets_the_environment(monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    assert apply_default_xla_flags() == f"--xla_dump_to=/tmp/x {MODE}=CONCURRENT"
-    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=/tmp/x {MODE}=CONCURRENT"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=xla_dump")
+    assert apply_default_xla_flags() == f"--xla_dump_to=xla_dump {MODE}=CONCURRENT"
+    assert os.environ["XLA_FLAGS"] == f"--xla_dump_to=xla_dump {MODE}=CONCURRENT"
     monkeypatch.setenv("XLA_FLAGS", f"{MODE}=SERIALIZE")
     assert apply_default_xla_flags() == f"{MODE}=SERIALIZE"
 

@@ -63,7 +63,7 @@ class Snake(nnx.Module):
 # stays a call of its own between two elementwise passes (the 128-stream codec call spends ~0.8 ms per residual unit
 # on those passes at the two widest rates: experiments/results/profiles_2026-12-04/codec/). On the H200 the 128 x 8
 # streaming call took 31.00 against 31.65 ms as cuDNN convs, the 8 x 4 one 6.46 against 6.91 ms
-# (experiments/results/ab_2026-12-04/codec/; `codec_throughput.py --variants default pointwise_matmul` is the A/B).
+# (experiments/results/ab_2026-12-04/codec/; `codec_throughput.py --variants default pointwise_conv` is the A/B).
 POINTWISE_AS_MATMUL = True
 
 

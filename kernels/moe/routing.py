@@ -15,9 +15,10 @@ into one kernel, then one scatter (the argsort it replaced took 10.5 us per laye
 experiments/results/decode_profile_fused_2026-12-01/). Above it (prefill) it is a counting sort too (the default,
 `LARGE_ORDER = "count"`): an exclusive cumsum over tokens of the [T, E + 1] per-token expert counts plus each pair's
 offset among equal ids of its own token. In a 3,072-row prefill call on the H200 that took the call from 71.55 to
-68.40 ms (medians of 5) against the stable argsort of the M keys (`"argsort"`, 480 sort kernels; experiments/results/ab_2026-12-04/). For at
-most `routing_triton.MAX_PAIRS` pairs the Pallas MoE backend runs this whole schedule as one Pallas program instead
-(kernels/moe/routing_triton.py), with the same outputs; this module is its reference.
+68.40 ms (medians of 5) against the stable argsort of the M keys (`"argsort"`, 480 sort kernels;
+experiments/results/ab_2026-12-04/). For at most `routing_triton.MAX_PAIRS` pairs the Pallas MoE backend runs this
+whole schedule as one Pallas program instead (kernels/moe/routing_triton.py), with the same outputs; this module is
+its reference.
 """
 
 from __future__ import annotations
