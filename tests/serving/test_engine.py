@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,6 +48,33 @@ def sync_engine():
     eng.start()
     yield eng
     eng.shutdown(5)
+
+
+def test_compiled_ahead_of_time_means_no_compile_at_the_first_call():
+    """What Engine.warm_up relies on: a jitted step (static size, donated state, as the engine's) compiled with
+    `.lower(...).compile()` on worker threads is not compiled again when it is then called (counted by JAX's
+    backend-compile events), so the decode sizes can compile side by side and run one after the other."""
+    step = jax.jit(lambda w, state, n: jax.tree.map(lambda x: x[:n].sum() + x @ w, state), static_argnums=(2,),
+                   donate_argnums=(1,))
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(16, 16)), jnp.float32)
+    state = {"a": jnp.ones((32, 16), jnp.float32), "b": jnp.full((32, 16), 2.0, jnp.float32)}  # not weakly typed
+    compiles = []
+
+    def listener(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda n: step.lower(w, state, n).compile(), (8, 32)))
+        ahead = len(compiles)
+        for n in (8, 32):
+            state = step(w, state, n)
+        jax.block_until_ready(state)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert ahead == 2 and len(compiles) == 2
 
 
 def run(engine, texts, seeds, max_frames=10, forced=None):
