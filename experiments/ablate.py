@@ -320,7 +320,7 @@ def run_config(live: LiveEngine, cfg: EngineConfig, timed: list[dict], warm: lis
             if tracer is not None:
                 tracer.join()
             errors += errs
-            rounds.append(round_summary(traces, codec.cfg.sample_rate, codec.frame_length))
+            rounds.append(round_summary(traces, codec.cfg.sample_rate, codec.frame_length, args.streams))
         mean_ms = {}
         for n in names:
             (s0, c0), (s1, c1) = before[n], _histogram(engine, n)

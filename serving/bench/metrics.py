@@ -11,6 +11,10 @@ Definitions (serving-contract.md section 3):
   Each stall is a gap; a stream is *broken* if one gap exceeds 100 ms. The total stall time equals vLLM-Omni's
   `max_underrun_s` (largest deficit of bytes received vs. bytes played since the first chunk), and C50/C100/C200
   (sglang-omni benchmarks/metrics/performance.py) are the shares of streams whose total stall is <= 50/100/200 ms.
+- Burst and steady state (ours, beside the published definitions above): a closed loop at concurrency C sends its
+  first C requests at once. `ttfa_after_burst_ms` is the TTFA of the requests sent after those C; `steady_audio_s_per_s`
+  is the audio that arrives between the first audio of the last of those C requests and the last send, per second of
+  that window (the loop is full and still refilled; the start-up burst and the drain at the end are outside it).
 """
 
 from __future__ import annotations
@@ -111,8 +115,16 @@ def percentile(values, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else math.nan
 
 
-def round_summary(traces: list[Trace], sample_rate: int, frame_samples: int) -> dict:
-    """Aggregate one timed round: wall window from the first send to the last chunk/end of any request."""
+def steady_window(traces: list[Trace], concurrency: int) -> tuple[float, float]:
+    """(start, end) of the steady window (module doc); start >= end when the round never reaches it."""
+    first = sorted(traces, key=lambda t: t.send)[:concurrency]
+    start = max((t.send + ttfa(t) for t in first if any(n > 0 for _, n in t.chunks)), default=math.inf)
+    return start, max(t.send for t in traces)
+
+
+def round_summary(traces: list[Trace], sample_rate: int, frame_samples: int, concurrency: int) -> dict:
+    """Aggregate one timed round: wall window from the first send to the last chunk/end of any request.
+    `concurrency`: the closed loop's streams (the size of the burst at the start; see the module doc)."""
     good = [t for t in traces if t.failure_key() is None]
     per = [request_metrics(t, sample_rate) for t in good]
     ends = [t.end if t.end is not None else (t.chunks[-1][0] if t.chunks else t.send) for t in traces]
@@ -120,6 +132,10 @@ def round_summary(traces: list[Trace], sample_rate: int, frame_samples: int) -> 
     audio = sum(p["audio_s"] for p in per)
     ttfas, rtfs, under = ([p[k] for p in per] for k in ("ttfa_s", "rtf", "underrun_s"))
     n = len(per)
+    burst = {id(t) for t in sorted(traces, key=lambda t: t.send)[:concurrency]}
+    later = [1e3 * ttfa(t) for t in good if id(t) not in burst]
+    t0, t1 = steady_window(traces, concurrency) if traces else (math.inf, -math.inf)
+    steady = sum(b for t in good for at, b in t.chunks if t0 <= at < t1)
     return {
         "requests": len(traces), "ok": n,
         "failures": dict(Counter(k for t in traces if (k := t.failure_key()) is not None)),
@@ -127,6 +143,8 @@ def round_summary(traces: list[Trace], sample_rate: int, frame_samples: int) -> 
         "audio_s_per_s": audio / wall if wall > 0 else math.nan,
         "frames_per_s": audio * sample_rate / frame_samples / wall if wall > 0 else math.nan,
         "ttfa_ms": {f"p{q}": 1e3 * percentile(ttfas, q) for q in (50, 90, 99)} | {"mean": _mean(ttfas, 1e3)},
+        "ttfa_after_burst_ms": {f"p{q}": percentile(later, q) for q in (50, 90)},
+        "steady_audio_s_per_s": (audio_seconds(steady, sample_rate) / (t1 - t0) if t1 > t0 else math.nan),
         "rtf": {"p50": percentile(rtfs, 50), "p90": percentile(rtfs, 90), "mean": _mean(rtfs)},
         "broken": sum(p["max_gap_s"] > BROKEN_GAP_S for p in per),
         # of those, the streams whose stall right after the first chunk already breaks them

@@ -52,7 +52,7 @@ def run_level(cfg: BenchConfig, c: int, rounds: int, reqs: list[BenchRequest],
     with bar:
         warm_traces = batch(warm) if warm else []
         per_round = [batch(reqs) for _ in range(rounds)]
-    summaries = [round_summary(t, cfg.sample_rate, FRAME_SAMPLES) for t in per_round]
+    summaries = [round_summary(t, cfg.sample_rate, FRAME_SAMPLES, c) for t in per_round]
     level = {"concurrency": c,
              "warmup": {"requests": len(warm_traces),
                         "failed": sum(t.failure_key() is not None for t in warm_traces)},

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from serving.bench.client import Sampling, request_body, run_batch
 from serving.bench.dataset import (BenchRequest, forced_frames_for, load_seedtts, synthetic, warmup_requests)
 from serving.bench.launcher import healthy
 from serving.bench.metrics import (Trace, average_rounds, playback_gaps, request_metrics, round_summary,
-                                   start_gap)
+                                   start_gap, steady_window)
 from tests.serving import fake_tts_server
 from tests.serving.conftest import free_port
 
@@ -38,6 +39,18 @@ def exact_traces() -> list[Trace]:
     return [a, b, Trace("c", 10.1, [], 10.15, 429), Trace("d", 10.2, [(10.4, 100)], 10.5, 200, "RemoteProtocolError"),
             Trace("e", 10.3, [(10.4, 8820)], 10.6, 200, expected_bytes=10_000), Trace("f", 10.3, [], 11.0, 200),
             Trace("g", 10.4, [], 10.45, None, "ConnectError")]
+
+
+def test_burst_and_steady_window_exact():
+    """Concurrency 2: the burst is the first two sends (a at 10.0, c at 10.1); b (sent 10.5, first audio 10.6) is the
+    one good request after it. The steady window runs from a's first audio (10.2; c has none) to the last send (10.5)
+    and holds a's chunks at 10.2 and 10.3: 0.5 s of audio in 0.3 s."""
+    traces = exact_traces()
+    assert steady_window(traces, 2) == pytest.approx((10.2, 10.5))
+    s = round_summary(traces, SR, FRAME, concurrency=2)
+    assert s["ttfa_after_burst_ms"] == pytest.approx({"p50": 100.0, "p90": 100.0})
+    assert s["steady_audio_s_per_s"] == pytest.approx(0.5 / 0.3)
+    assert s["ttfa_ms"]["p50"] == pytest.approx(150)  # the published definition still counts every request
 
 
 def test_player_gaps_ttfa_rtf_exact():
@@ -61,7 +74,7 @@ def test_player_gaps_ttfa_rtf_exact():
 
 def test_round_summary_and_average_exact():
     traces = exact_traces()
-    s = round_summary(traces, SR, FRAME)
+    s = round_summary(traces, SR, FRAME, concurrency=7)
     assert s["requests"] == 7 and s["ok"] == 2
     assert s["failures"] == {"429": 1, "stream_error:RemoteProtocolError": 1, "short": 1, "empty": 1,
                              "error:ConnectError": 1}
@@ -73,7 +86,9 @@ def test_round_summary_and_average_exact():
     assert s["broken"] == 1 and s["underrun_events"] == 3 and s["underrun_total_s"] == pytest.approx(0.27)
     assert s["start_gaps"] == 1 and s["broken_at_start"] == 0  # a broke at its third chunk, b's start gap is 50 ms
     assert s["continuity"] == {"C50": 0.0, "C100": 0.0, "C200": 1.0}
-    avg = average_rounds([s, round_summary(traces[:2], SR, FRAME)])
+    # all 7 sent in the burst: no later request, and the last send (10.5) comes before b's first audio (10.6)
+    assert math.isnan(s["ttfa_after_burst_ms"]["p50"]) and math.isnan(s["steady_audio_s_per_s"])
+    avg = average_rounds([s, round_summary(traces[:2], SR, FRAME, concurrency=2)])
     assert avg["rounds"] == 2 and avg["requests"] == 9 and avg["ok"] == 4 and avg["broken"] == 2
     assert avg["failures"]["429"] == 1
     assert avg["audio_s_per_s"] == pytest.approx((1.3 + 1.3 / 0.93) / 2)
@@ -124,7 +139,7 @@ def test_scripted_timings_over_http():
     assert keys == {"gap": None, "smooth": None, "busy": "429", "boom": "500",
                     "cut": "stream_error:RemoteProtocolError", "short": "short", "unscripted": None}
     assert traces["unscripted"].audio_bytes == 3 * FRAME * 2  # forced_frames reached the server
-    s = round_summary(list(traces.values()), SR, FRAME)
+    s = round_summary(list(traces.values()), SR, FRAME, concurrency=len(reqs))
     assert s["ok"] == 3 and s["broken"] == 1 and s["failures"] == {"429": 1, "500": 1, "short": 1,
                                                                    "stream_error:RemoteProtocolError": 1}
 
