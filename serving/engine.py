@@ -363,10 +363,10 @@ class Engine:
 
         def timed(name, fn):
             t = time.perf_counter()
-            out = fn()
-            done = "compiled" if isinstance(out, jax.stages.Compiled) else "compiled and run"
-            out = out if done == "compiled" else jax.block_until_ready(out)
-            log.info("warm-up: %s %s in %.1f s", name, done, time.perf_counter() - t)
+            out, what = fn(), "compiled"
+            if not isinstance(out, jax.stages.Compiled):  # the jobs that run their shape once
+                out, what = jax.block_until_ready(out), "compiled and run"
+            log.info("warm-up: %s %s in %.1f s", name, what, time.perf_counter() - t)
             return out
 
         with ThreadPoolExecutor(max_workers=max(1, self.cfg.compile_threads)) as ex:
