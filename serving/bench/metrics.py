@@ -115,11 +115,16 @@ def percentile(values, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else math.nan
 
 
+def _burst(traces: list[Trace], concurrency: int) -> list[Trace]:
+    """The first `concurrency` requests sent: the closed loop's start-up burst."""
+    return sorted(traces, key=lambda t: t.send)[:concurrency]
+
+
 def steady_window(traces: list[Trace], concurrency: int) -> tuple[float, float]:
     """(start, end) of the steady window (module doc); start >= end when the round never reaches it."""
-    first = sorted(traces, key=lambda t: t.send)[:concurrency]
-    start = max((t.send + ttfa(t) for t in first if any(n > 0 for _, n in t.chunks)), default=math.inf)
-    return start, max(t.send for t in traces)
+    start = max((t.send + ttfa(t) for t in _burst(traces, concurrency) if any(n > 0 for _, n in t.chunks)),
+                default=math.inf)
+    return start, max((t.send for t in traces), default=-math.inf)
 
 
 def round_summary(traces: list[Trace], sample_rate: int, frame_samples: int, concurrency: int) -> dict:
@@ -132,9 +137,9 @@ def round_summary(traces: list[Trace], sample_rate: int, frame_samples: int, con
     audio = sum(p["audio_s"] for p in per)
     ttfas, rtfs, under = ([p[k] for p in per] for k in ("ttfa_s", "rtf", "underrun_s"))
     n = len(per)
-    burst = {id(t) for t in sorted(traces, key=lambda t: t.send)[:concurrency]}
-    later = [1e3 * ttfa(t) for t in good if id(t) not in burst]
-    t0, t1 = steady_window(traces, concurrency) if traces else (math.inf, -math.inf)
+    burst = {id(t) for t in _burst(traces, concurrency)}
+    later = [1e3 * p["ttfa_s"] for t, p in zip(good, per) if id(t) not in burst]
+    t0, t1 = steady_window(traces, concurrency)
     steady = sum(b for t in good for at, b in t.chunks if t0 <= at < t1)
     return {
         "requests": len(traces), "ok": n,
