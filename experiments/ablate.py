@@ -7,7 +7,8 @@ compile time, and each row's full engine configuration in the JSON.
         [--budget-s 480] [--engine prefill_chunk=128 ...]
 
 The model parts are built once. A configuration that differs from the live engine's in admission / guard / tick fields
-only (`serving.engine.POLICY_FIELDS`: rows admit_now, sync_tick, guard_*, prefill_wait_*, codec_bridge) runs on that
+only (`serving.engine.POLICY_FIELDS`: rows admit_now, sync_tick, guard_*, prefill_*, codec_bridge), or in its codec
+schedule within the compiled frame counts (`CODEC_SCHEDULE_FIELDS`: first_chunk_2, codec_period_4, ...), runs on that
 engine, reconfigured ("compile s" 0); any other gets a fresh `Engine` (warm-up compile, run; the previous one shut
 down and its device memory freed). Requests are the benchmark client's request bodies, validated and prepared by the
 server's own code (`serving.api.prepare_request`), and the figures come from `serving.bench.metrics.round_summary`, so
@@ -98,8 +99,12 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "packed_lanes_256": ("packed prefill lanes rows // 384 -> rows // 256 (3,072 rows: 8 -> 12 prompts)",
                          lambda c: dataclasses.replace(c, prefill_lane_rows=256)),
     "prefill_chunk_256": ("512-row prefill chunks -> 256-row", lambda c: dataclasses.replace(c, prefill_chunk=256)),
-    "first_chunk_3": ("first audio chunk 4 frames -> 3 (TTFA; compiles a 3-frame codec shape)",
+    "first_chunk_3": ("first audio chunk 4 frames -> 3 (TTFA; its codec call runs at 4 frames, padded)",
                       lambda c: dataclasses.replace(c, codec_first_chunk=3)),
+    "first_chunk_2": ("first audio chunk 4 frames -> 2 (TTFA; its codec call runs at 4 frames, padded)",
+                      lambda c: dataclasses.replace(c, codec_first_chunk=2)),
+    "codec_period_4": ("periodic codec call every 8 decode steps -> every 4 (smaller, more frequent calls: buffers "
+                       "refilled sooner)", lambda c: dataclasses.replace(c, codec_period=4)),
     "codec_batches_8": ("codec batch sizes (8, 32, 64, pool) -> (8, pool)",
                         lambda c: dataclasses.replace(c, codec_batch_sizes=(8,))),
     # the decode step's cost follows the slot pool, not the active streams: a pool smaller than the concurrency
@@ -272,7 +277,8 @@ def trace_later(delay_s: float, seconds: float, trace_dir: str, out: dict) -> th
 # ------------------------------------------------------------------------------------------ one configuration
 class LiveEngine:
     """One warmed-up engine at a time. A row whose configuration differs from the live engine's in
-    serving.engine.POLICY_FIELDS only (admission, guard, tick) reuses it through `Engine.reconfigure`: no compile.
+    serving.engine.POLICY_FIELDS only (admission, guard, tick), or in its codec schedule within the compiled frame
+    counts, reuses it through `Engine.reconfigure`: no compile.
     Any other row shuts it down, frees its device memory and builds its own. (On the H200 a second Engine of the
     same shapes in one process compiled its talker steps again, 158 of 268 s, despite the persistent cache:
     experiments/results/ablate_128_g/.)"""
@@ -282,7 +288,7 @@ class LiveEngine:
 
     def get(self, cfg: EngineConfig) -> tuple[Engine, float]:
         """(an engine running `cfg`, seconds spent compiling for it)."""
-        if self.engine is not None and policy_changes(cfg, self.engine.cfg) is not None:
+        if self.engine is not None and self.engine.reconfigurable(cfg):
             try:
                 self.engine.reconfigure(cfg)
                 return self.engine, 0.0
@@ -424,10 +430,11 @@ def log_persistent_cache():
 
 
 def run_order(names: list[str], base: EngineConfig) -> list[str]:
-    """The --configs rows in their order, except that 'full' and the rows that change only POLICY_FIELDS of it come
-    first: they all run on full's engine (LiveEngine) before any row replaces it."""
-    shares = [n for n in names if n == "full" or policy_changes(config_change(n)[1](base), base) is not None]
-    return shares + [n for n in names if n not in shares]
+    """The --configs rows in their order, except that 'full' and the rows that it can be reconfigured to (policy and
+    codec schedule fields, `serving.engine.policy_changes`) come first: they all run on full's engine (LiveEngine)
+    before any row replaces it."""
+    shares = [n for n in names if n != "full" and policy_changes(config_change(n)[1](base), base) is not None]
+    return ["full"] * ("full" in names) + shares + [n for n in names if n != "full" and n not in shares]
 
 
 def build_parts(preset: str):

@@ -182,16 +182,26 @@ class EngineConfig:
 POLICY_FIELDS = frozenset({"max_queue", "pipeline_depth", "prefill_busy_streams", "prefill_min_batch",
                            "prefill_max_wait_ms", "admit_guard_s", "admit_guard_new_s", "codec_bridge",
                            "stats_interval_s", "stall_warn_s", "benchmark_mode"})
+# the codec schedule: frames per chunk and steps between periodic calls. A codec call runs at the smallest compiled
+# frame count that holds its chunks (padded), so these may change too while the largest chunk they allow
+# (`codec_buckets[-1]`) is at most the largest compiled frame count
+CODEC_SCHEDULE_FIELDS = frozenset({"codec_first_chunk", "codec_period", "codec_chunk"})
 
 
 def changed_fields(cfg: EngineConfig, base: EngineConfig) -> set[str]:
     return {f.name for f in dataclasses.fields(EngineConfig) if getattr(cfg, f.name) != getattr(base, f.name)}
 
 
-def policy_changes(cfg: EngineConfig, base: EngineConfig) -> set[str] | None:
-    """Names of the fields where `cfg` differs from `base`, or None if any of them is not in POLICY_FIELDS."""
+def policy_changes(cfg: EngineConfig, base: EngineConfig,
+                   codec_frames: tuple[int, ...] | None = None) -> set[str] | None:
+    """Names of the fields where `cfg` differs from `base`, or None if one of them changes a compiled shape: a field
+    outside POLICY_FIELDS and CODEC_SCHEDULE_FIELDS, or a codec schedule whose largest chunk exceeds the compiled
+    frame counts (`codec_frames`, default `base.codec_buckets`)."""
     changed = changed_fields(cfg, base)
-    return changed if changed <= POLICY_FIELDS else None
+    allowed = POLICY_FIELDS
+    if cfg.codec_buckets[-1] <= max(codec_frames or base.codec_buckets):
+        allowed = allowed | CODEC_SCHEDULE_FIELDS
+    return changed if changed <= allowed else None
 
 
 @dataclasses.dataclass
@@ -282,6 +292,7 @@ class Engine:
         self._move = jax.jit(move_slots, donate_argnums=(0,) if donate else ())
         self._step = jax.jit(decode_step, static_argnums=(2,), donate_argnums=(1,) if donate else ())
         self._decode_steps = cfg.decode_steps
+        self._codec_frames = cfg.codec_buckets  # frame counts of the compiled codec calls (fixed by warm_up)
         self.pool: DecodeState | None = None
         self.codec_state = None
         self.slots: list[Request | None] = [None] * S
@@ -355,7 +366,7 @@ class Engine:
                          for n, lanes in self.cfg.packed_buckets})
         jobs.update({name: fn for name, (_, fn) in prefills.items()})
         jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
-                     for n in self.cfg.codec_batches for T in self.cfg.codec_buckets})
+                     for n in self.cfg.codec_batches for T in self._codec_frames})
         encodes = {f"reference encode {n} frames": functools.partial(encode, n) for n in self.cfg.encode_buckets}
         if self.cfg.encode_warmup == "start":
             jobs.update(encodes)
@@ -406,16 +417,22 @@ class Engine:
 
     def reconfigure(self, cfg: EngineConfig):
         """Swap in `cfg` while the engine is idle (no stream active, queued or in flight), keeping every compiled
-        shape: `cfg` may differ from the current configuration in POLICY_FIELDS only (the ablation harness runs its
-        admission and tick rows on one warmed-up engine)."""
-        if policy_changes(cfg, self.cfg) is None:
-            raise ValueError("reconfigure changes only " + ", ".join(sorted(POLICY_FIELDS)) + "; build a new Engine "
-                             "for " + ", ".join(sorted(changed_fields(cfg, self.cfg) - POLICY_FIELDS)))
+        shape: `cfg` may differ from the current configuration in POLICY_FIELDS and, within the compiled codec
+        frame counts, CODEC_SCHEDULE_FIELDS only (the ablation harness runs its admission, tick and codec schedule
+        rows on one warmed-up engine)."""
+        if not self.reconfigurable(cfg):
+            raise ValueError("reconfigure changes only " + ", ".join(sorted(POLICY_FIELDS | CODEC_SCHEDULE_FIELDS))
+                             + f" (chunks of at most {self._codec_frames[-1]} frames); build a new Engine for "
+                             + ", ".join(sorted(changed_fields(cfg, self.cfg) - POLICY_FIELDS)))
         _check_policy(cfg)
         with self.lock:
             if self.active_count() or self.waiting or self.continuations or self._inflight or self._codec_inflight:
                 raise RuntimeError("reconfigure needs an idle engine")
             self.cfg = cfg
+
+    def reconfigurable(self, cfg: EngineConfig) -> bool:
+        """Whether `reconfigure(cfg)` keeps every compiled shape."""
+        return policy_changes(cfg, self.cfg, self._codec_frames) is not None
 
     def start(self):
         if not self.ready:
@@ -760,7 +777,7 @@ class Engine:
         if not ready:
             return
         n = next(b for b in self.cfg.codec_batches if b >= len(ready))
-        T = next(t for t in self.cfg.codec_buckets if t >= max(take for _, _, take in ready))
+        T = next(t for t in self._codec_frames if t >= max(take for _, _, take in ready))
         codes = np.zeros((n, self.model_cfg.num_codebooks, T), np.int32)
         slots = np.full(n, self.cfg.max_streams, np.int32)  # padding rows: out-of-range slot, nothing written
         n_new = np.zeros(n, np.int32)

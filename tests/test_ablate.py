@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ablation_harness_on_the_tiny_model(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.ablate", "--out", str(out), "--preset", "tiny",
-           "--configs", "first_chunk_3", "full", "sync_tick", "--streams", "2", "--warmup", "1",
+           "--configs", "ssm_fp32", "first_chunk_3", "full", "sync_tick", "--streams", "2", "--warmup", "1",
            "--max-new-tokens", "8", "--ref-seconds", "0.5", "1", "--trace-s", "2", "--trace-delay-s", "0",
            "--compilation-cache", os.environ["JAX_COMPILATION_CACHE_DIR"],
            "--engine", "prefill_chunk=64", "prefill_batch_sizes=1,2", "prefill_packed_rows=256", "max_reference_frames=224"]
@@ -27,16 +27,17 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
     result = json.loads((out / "ablate.json").read_text())
     table = (out / "ablate.md").read_text()
     rows = {r["name"]: r for r in result["rows"]}
-    # full and the rows that share its engine first (sync_tick: reconfigured, nothing compiled), the profiled run last
-    # (a new engine again: first_chunk_3 compiled its own codec shapes)
-    assert list(rows) == ["full", "sync_tick", "first_chunk_3", "full_profiled"]
+    # full first, then the rows reconfigured on its engine (sync_tick: a policy field; first_chunk_3: the codec
+    # schedule, its 3-frame chunks run padded to full's 4-frame calls), then ssm_fp32 (a new engine: a new state
+    # dtype), the profiled run last (a new engine again)
+    assert list(rows) == ["full", "first_chunk_3", "sync_tick", "ssm_fp32", "full_profiled"]
     assert result["command"].startswith("python experiments/ablate.py --out $OUT --preset tiny")
     for name, r in rows.items():
         assert r["status"] == "ok", r
         s = r["summary"]
         assert s["audio_s_per_s"] > 0 and s["ok"] == s["requests"] == 2 and s["broken"] == 0 and not s["failures"]
         assert r["engine_config"]["prefill_chunk"] == 64
-        assert (r["compile_s"] == 0) == (name == "sync_tick"), (name, r["compile_s"])
+        assert (r["compile_s"] == 0) == (name in ("sync_tick", "first_chunk_3")), (name, r["compile_s"])
         assert f"| {name} |" in table
     full, sync = (rows[n]["engine_config"] for n in ("full", "sync_tick"))
     assert (full["pipeline_depth"], sync["pipeline_depth"]) == (1, 0)

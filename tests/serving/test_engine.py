@@ -275,9 +275,12 @@ def test_reconfigure_swaps_policy_fields_only_and_only_when_idle(engine):
     base = engine.cfg
     sync = dataclasses.replace(base, pipeline_depth=0, admit_guard_s=0.1)
     assert policy_changes(sync, base) == {"pipeline_depth", "admit_guard_s"}
-    assert policy_changes(dataclasses.replace(base, codec_period=1), base) is None
+    # the codec schedule within the compiled frame counts (4 and 8) may change; a 16-frame period may not
+    assert policy_changes(dataclasses.replace(base, codec_period=1), base) == {"codec_period"}
+    assert policy_changes(dataclasses.replace(base, codec_period=16), base) is None
+    assert policy_changes(dataclasses.replace(base, max_new_tokens=11), base) is None
     with pytest.raises(ValueError, match="codec_period"):
-        engine.reconfigure(dataclasses.replace(base, codec_period=1))
+        engine.reconfigure(dataclasses.replace(base, codec_period=16))
     with pytest.raises(ValueError, match="pipeline_depth"):
         engine.reconfigure(dataclasses.replace(base, pipeline_depth=2))
     text = "Reconfigured between two requests."
@@ -298,3 +301,38 @@ def test_reconfigure_swaps_policy_fields_only_and_only_when_idle(engine):
     finally:
         engine.reconfigure(base)
     assert engine.cfg is base
+
+
+def test_reconfigured_codec_schedule_runs_on_the_compiled_frame_counts(engine):
+    """First chunks of 2 frames and a periodic call every 2 steps, on an engine compiled for 4- and 8-frame calls:
+    the calls run padded to 4 frames (no compile), the first chunk holds 2 frames, and the audio is the same."""
+    base = engine.cfg
+    text = "A shorter first chunk."
+    chunks = []
+    (before,), _ = run(engine, [text], [7], forced=[9])
+    compiles = []
+
+    def listener(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        engine.reconfigure(dataclasses.replace(base, codec_first_chunk=2, codec_period=2))
+        req = engine.submit(Request(chunks=[text], references=[], previous_takes=[], sampling=SamplingParams(),
+                                    seed=7, max_frames=10, forced_frames=9,
+                                    sink=lambda k, p: chunks.append(p) if k == "audio" else None))
+        while not req.finished:
+            time.sleep(0.02)
+        while engine._inflight or engine._codec_inflight:
+            time.sleep(0.02)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        engine.reconfigure(base)
+    assert not compiles
+    frame = engine.codec.frame_length
+    sizes = [len(c) // frame for c in chunks]
+    # a 2-frame first chunk, then a call every 2 steps with the frames pending (the last one also takes the
+    # held-back frame), each run in the 4-frame shape
+    assert sizes[0] == 2 and len(sizes) >= 4 and max(sizes) <= 4 and sum(sizes) == 9, sizes
+    np.testing.assert_allclose(np.concatenate(chunks), before, atol=1e-4)
