@@ -351,6 +351,57 @@ class DecoderLayer(nnx.Module):
         self.layer_type = layer_type
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerContext:
+    """What every decoder layer of one forward shares: positions [B, T], start [B] (cache rows before), new_lengths
+    [B], valid (MoE rows, or None), packing (or None) and the cache lengths after the forward; static: fresh (an
+    empty cache), decode (T == 1), backends."""
+
+    positions: jax.Array
+    start: jax.Array
+    new_lengths: jax.Array
+    valid: jax.Array | None
+    packing: Packing | None
+    new_cache_lengths: jax.Array
+    fresh: bool = dataclasses.field(metadata=dict(static=True))
+    decode: bool = dataclasses.field(metadata=dict(static=True))
+    backends: Backends = dataclasses.field(metadata=dict(static=True))
+
+
+def layer_states(cache: BackboneCache, layer_types) -> list[tuple]:
+    """Each layer's cache entries in layer order: (k, v) of an attention layer, (conv, ssm) of a GDN layer."""
+    att, gdn = iter(zip(cache.k, cache.v)), iter(zip(cache.conv, cache.ssm))
+    return [next(att) if t == "full_attention" else next(gdn) for t in layer_types]
+
+
+def with_layer_states(cache: BackboneCache, states: list[tuple], layer_types, lengths) -> BackboneCache:
+    """`cache` with the layers' entries replaced by `states` (layer order) and its lengths by `lengths`."""
+    att = [s for s, t in zip(states, layer_types) if t == "full_attention"]
+    gdn = [s for s, t in zip(states, layer_types) if t != "full_attention"]
+    return BackboneCache(k=[k for k, _ in att], v=[v for _, v in att], conv=[c for c, _ in gdn],
+                         ssm=[s for _, s in gdn], lengths=lengths)
+
+
+def decoder_layer(layer: DecoderLayer, x, state: tuple, ctx: LayerContext):
+    """One decoder layer on x [B, T, H] (or packed [1, N, H]): pre-norm token mixer with its cache entries `state`
+    ((k, v) or (conv, ssm)), residual, pre-norm sparse MoE, residual. Returns (x, state)."""
+    be = ctx.backends
+    h = layer.input_layernorm(x)
+    if layer.layer_type == "full_attention":
+        h, k, v = layer.self_attn(h, ctx.positions, *state, ctx.start, ctx.new_lengths, fresh=ctx.fresh,
+                                  backend=be.attention, dense=be.dense, packing=ctx.packing)
+        state = (k, v)
+    else:
+        h, conv, ssm = layer.linear_attn(h, *state, ctx.new_lengths, decode=ctx.decode, backends=be,
+                                         packing=ctx.packing)
+        state = (conv, ssm)
+    x = x + h
+    x = x + layer.mlp(layer.post_attention_layernorm(x), backend=be.moe, act_fp8=be.moe_activations == "fp8",
+                      dense=be.dense, valid=ctx.valid, router=be.router)
+    return x, state
+
+
 class TextModel(nnx.Module):
     def __init__(self, cfg: TextConfig, *, fp8_block, dtype):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
@@ -399,32 +450,25 @@ class Drama3Backbone(nnx.Module):
         these sequences, updated in place, the others untouched. Returns (final-norm hidden [B, T, H], cache).
         With `packing` (drama3_jax/packing.py), rows [1, N, 1+K] are P prompts end to end: cache, new_lengths and the
         positions are per prompt ([P, ...], B = P and T = packing.seq_len), and the hidden is [1, N, H]."""
+        x, ctx = self.stack_inputs(rows, cache.lengths, new_lengths, fresh=fresh, backends=backends, packing=packing)
+        types = self.cfg.text.layer_types
+        states = layer_states(cache, types)
+        for i, layer in enumerate(self.model.language_model.layers):
+            x, states[i] = decoder_layer(layer, x, states[i], ctx)
+        return self.model.language_model.norm(x), with_layer_states(cache, states, types, ctx.new_cache_lengths)
+
+    def stack_inputs(self, rows, cache_lengths, new_lengths, *, fresh: bool, backends: Backends,
+                     packing: Packing | None = None) -> tuple[jax.Array, "LayerContext"]:
+        """The embedded rows and what every layer of a forward over them shares (see `forward`)."""
         B, T = (packing.num_seqs, packing.seq_len) if packing is not None else rows.shape[:2]
-        start = cache.lengths[:B]
+        start = cache_lengths[:B]
         positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-        x = self.embed_rows(rows)
         valid = None
         if T > 1 and backends.moe_skip_padding:
             valid = packing.valid() if packing is not None else jnp.arange(T)[None, :] < new_lengths[:, None]
-        ks, vs, convs, ssms = list(cache.k), list(cache.v), list(cache.conv), list(cache.ssm)
-        fi = li = 0
-        for layer in self.model.language_model.layers:
-            h = layer.input_layernorm(x)
-            if layer.layer_type == "full_attention":
-                h, ks[fi], vs[fi] = layer.self_attn(h, positions, ks[fi], vs[fi], start, new_lengths, fresh=fresh,
-                                                    backend=backends.attention, dense=backends.dense, packing=packing)
-                fi += 1
-            else:
-                h, convs[li], ssms[li] = layer.linear_attn(h, convs[li], ssms[li], new_lengths, decode=(T == 1),
-                                                           backends=backends, packing=packing)
-                li += 1
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x), backend=backends.moe,
-                              act_fp8=backends.moe_activations == "fp8", dense=backends.dense, valid=valid,
-                              router=backends.router)
-        x = self.model.language_model.norm(x)
-        return x, BackboneCache(k=ks, v=vs, conv=convs, ssm=ssms,
-                                lengths=cache.lengths.at[:B].set(start + new_lengths.astype(jnp.int32)))
+        new_cache_lengths = cache_lengths.at[:B].set(start + new_lengths.astype(jnp.int32))
+        return self.embed_rows(rows), LayerContext(positions, start, new_lengths, valid, packing, new_cache_lengths,
+                                                   fresh=fresh, decode=T == 1, backends=backends)
 
     def full_logits(self, hidden):
         return self.lm_head(hidden)

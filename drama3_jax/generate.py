@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
 from typing import Iterator, Sequence
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from drama3_jax.backbone import Backends
+from drama3_jax.backbone import Backends, decoder_layer, layer_states, with_layer_states
 from drama3_jax.model import Drama3Model, ModelCache
 from drama3_jax.packing import Packing, pack_layout
 from drama3_jax.prompt import build_prompt, history_for_chunk, split_long_text
@@ -138,12 +139,20 @@ def prefill_packed(model: Drama3Model, cache: ModelCache, rows, next_rows, lengt
     of each prompt's last row)."""
     with jax.named_scope("backbone"):
         hidden, bcache = model.forward(rows, cache.backbone, lengths, fresh=True, backends=backends, packing=packing)
+    tcache, h = packed_tower(model, hidden, cache.tower, rows, next_rows, lengths, packing, backends)
+    return ModelCache(bcache, tcache), h
+
+
+def packed_tower(model: Drama3Model, hidden, tower_cache, rows, next_rows, lengths, packing: Packing,
+                 backends: Backends = Backends()):
+    """The tower part of `prefill_packed` on the backbone's final-norm hidden [1, N, H]. Returns (tower cache,
+    h_last [P, H])."""
     with jax.named_scope("tower"):
-        _, _, tcache = model.tower(hidden, next_rows[..., 0], rows, cache.tower, jnp.maximum(lengths - 1, 0),
+        _, _, tcache = model.tower(hidden, next_rows[..., 0], rows, tower_cache, jnp.maximum(lengths - 1, 0),
                                    lambda i, _: next_rows[..., 2 + i], fresh=True, backends=backends,
                                    compute_heads=False, packing=packing)
     last = packing.unpack[jnp.arange(packing.num_seqs), jnp.maximum(lengths - 1, 0)]  # N (a zero row) if empty
-    return ModelCache(bcache, tcache), jnp.take(hidden[0], last, axis=0, mode="fill", fill_value=0)
+    return tcache, jnp.take(hidden[0], last, axis=0, mode="fill", fill_value=0)
 
 
 def start_state(cache: ModelCache, h_last, last_row, recent, sampling: RequestSampling) -> DecodeState:
@@ -155,10 +164,14 @@ def start_state(cache: ModelCache, h_last, last_row, recent, sampling: RequestSa
 
 class Prefiller:
     """Chunked prefill of right-padded prompts into fresh caches: prompts of any length (a multiple of `chunk` after
-    padding) run as ceil(T / chunk) calls of one compiled shape per batch size."""
+    padding) run as ceil(T / chunk) calls of one compiled shape per batch size; and packed prefill (`packed`).
+
+    `by_layer`: a packed prefill runs as one jitted call per backbone layer (the same executable for every layer of a
+    type: two layer compiles per row count instead of a 40-layer module) between an embedding call and a final call
+    (norm, tower, last hidden states), instead of one call. The same math; the compilation is what changes."""
 
     def __init__(self, model: Drama3Model, max_len: int, chunk: int = 256, backends: Backends = Backends(),
-                 cache_dtype=None, state_dtype=None):
+                 cache_dtype=None, state_dtype=None, by_layer: bool = False):
         from drama3_jax.model import init_model_cache
 
         self.graphdef, self.params = nnx.split(model)
@@ -180,7 +193,35 @@ class Prefiller:
             cache, h = prefill_packed(model, cache, rows, next_rows, lengths, packing, backends)
             return cache, h.astype(dtype)
 
+        # by layer: each layer's own (graphdef, treedef, leaves); graphdef and treedef are equal across the layers
+        # of one type, so jit compiles one executable per type and shape
+        self.by_layer = by_layer
+        self.layer_types = cfg.text.layer_types
+        self._layers = []
+        for layer in model.model.language_model.layers:
+            gd, st = nnx.split(layer)
+            leaves, tree = jax.tree.flatten(st)
+            self._layers.append((gd, tree, leaves))
+
+        def prefill_packed_inputs(leaves, rows, cache_lengths, lengths, packing):
+            model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, leaves))
+            return model.stack_inputs(rows, cache_lengths, lengths, fresh=True, backends=backends, packing=packing)
+
+        def prefill_packed_layer(gd, tree, leaves, x, state, ctx):
+            with jax.named_scope("backbone"):
+                return decoder_layer(nnx.merge(gd, jax.tree.unflatten(tree, leaves)), x, state, ctx)
+
+        def prefill_packed_finish(leaves, x, tower_cache, rows, next_rows, lengths, packing):
+            model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, leaves))
+            hidden = model.model.language_model.norm(x)
+            tcache, h = packed_tower(model, hidden, tower_cache, rows, next_rows, lengths, packing, backends)
+            return tcache, h.astype(dtype)
+
         donate = jax.default_backend() != "cpu"
+        self._packed_inputs = jax.jit(prefill_packed_inputs)
+        self._packed_layer = jax.jit(prefill_packed_layer, static_argnums=(0, 1),
+                                     donate_argnums=(3, 4) if donate else ())
+        self._packed_finish = jax.jit(prefill_packed_finish, donate_argnums=(1, 2) if donate else ())
         self._init = jax.jit(prefill_init, static_argnums=0)
         self._chunk = jax.jit(prefill_step, donate_argnums=(1, 2) if donate else ())
         self._packed = jax.jit(prefill_packed_step, donate_argnums=(1,) if donate else ())
@@ -228,11 +269,22 @@ class Prefiller:
             next_rows[0, o:o + n - 1] = r[1:]
             lanes[p, :n] = r
         cache, _ = self._init(num_seqs)
-        cache, h = self._packed(self._param_leaves, cache, jnp.asarray(rows), jnp.asarray(next_rows),
-                                jnp.asarray(lens), Packing(jnp.asarray(unpack), jnp.asarray(pack)))
+        run = self._packed_by_layer if self.by_layer else functools.partial(self._packed, self._param_leaves)
+        cache, h = run(cache, jnp.asarray(rows), jnp.asarray(next_rows), jnp.asarray(lens),
+                       Packing(jnp.asarray(unpack), jnp.asarray(pack)))
         last_row = lanes[np.arange(num_seqs), np.maximum(lens - 1, 0)]
         return self._start(cache, h, jnp.asarray(last_row), jnp.asarray(initial_recent(lanes, lens, RAS_WINDOW)),
                            sampling)
+
+    def _packed_by_layer(self, cache: ModelCache, rows, next_rows, lengths, packing: Packing):
+        """`prefill_packed` as one call per layer (see the class doc): the same (cache, h_last)."""
+        x, ctx = self._packed_inputs(self._param_leaves, rows, cache.backbone.lengths, lengths, packing)
+        states = layer_states(cache.backbone, self.layer_types)
+        for i, (gd, tree, leaves) in enumerate(self._layers):
+            x, states[i] = self._packed_layer(gd, tree, leaves, x, states[i], ctx)
+        tcache, h = self._packed_finish(self._param_leaves, x, cache.tower, rows, next_rows, lengths, packing)
+        return ModelCache(with_layer_states(cache.backbone, states, self.layer_types, ctx.new_cache_lengths),
+                          tcache), h
 
     def packed_hlo(self, num_rows: int, num_seqs: int) -> str:
         """Compiled HLO text of one packed call (module `jit_prefill_packed_step`; for profiles)."""

@@ -98,6 +98,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                         n for n in c.prefill_packed_rows if n <= 2048))),
     "packed_lanes_256": ("packed prefill lanes rows // 384 -> rows // 256 (3,072 rows: 8 -> 12 prompts)",
                          lambda c: dataclasses.replace(c, prefill_lane_rows=256)),
+    "prefill_by_layer": ("packed prefill as one call -> one call per backbone layer (compiles one layer per type)",
+                         lambda c: dataclasses.replace(c, prefill_by_layer=True)),
     "prefill_chunk_256": ("512-row prefill chunks -> 256-row", lambda c: dataclasses.replace(c, prefill_chunk=256)),
     "first_chunk_3": ("first audio chunk 4 frames -> 3 (TTFA; its codec call runs at 4 frames, padded)",
                       lambda c: dataclasses.replace(c, codec_first_chunk=3)),

@@ -15,6 +15,8 @@ one warm-up call, a new batch of prompts each call. Variants:
             prompts in a later call when they would not fit it)
   packed_xla_attention  packed, with XLA's attention for the prompt rows instead of the flash prefill kernel
             (attention backend "pallas_triton_decode")
+  packed_by_layer  packed, run as one call per backbone layer (Prefiller by_layer: one compiled layer per type;
+            its compile_s against packed's is the start-up saving per row count)
   packed_ref_router  packed, with lax.top_k + softmax for the router instead of the Pallas kernel (kernels/router)
   packed_argsort_order  packed, with the MoE's expert order from a stable argsort, not the cumsum counting sort
             (kernels/moe/routing.py LARGE_ORDER)
@@ -62,6 +64,7 @@ HBM_BYTES_PER_S, FLOPS_PER_S = 4.2e12, 780e12
 def variants(cfg) -> dict[str, Backends]:
     base = dataclasses.replace(Backends.auto(), moe_activations=default_moe_activations(cfg))
     return {"default": base, "no_skip": dataclasses.replace(base, moe_skip_padding=False), "packed": base,
+            "packed_by_layer": base,
             "packed_xla_attention": dataclasses.replace(base, attention="pallas_triton_decode"),
             "packed_ref_router": dataclasses.replace(base, router="reference")}
 
@@ -124,10 +127,10 @@ def batch_rows(cfg, lengths: np.ndarray, chunk: int, rng) -> np.ndarray:
 
 def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarray, calls: int, max_len: int,
                  profile_n: int = 0, trace_dir: str = "", packed: bool = False,
-                 lane_rows: int = EngineConfig.prefill_lane_rows, hlo_out: str | None = None):
+                 lane_rows: int = EngineConfig.prefill_lane_rows, hlo_out: str | None = None, by_layer: bool = False):
     """batch prompts per call ([batch, chunk] calls), or with `packed` up to batch prompts per packed call of the
     engine's default buckets (EngineConfig.packed_buckets), a fixed bucket per run (the first call's)."""
-    prefiller = Prefiller(model, max_len, chunk, backends, state_dtype=jnp.bfloat16)
+    prefiller = Prefiller(model, max_len, chunk, backends, state_dtype=jnp.bfloat16, by_layer=by_layer)
     rng = np.random.default_rng(batch)
     buckets = EngineConfig(prefill_chunk=chunk, prefill_lane_rows=lane_rows).packed_buckets
     if packed:
@@ -163,7 +166,7 @@ def time_variant(model, cfg, backends, batch: int, chunk: int, lengths: np.ndarr
     out = {"ms": 1e3 * float(np.median(times)), "ms_min": 1e3 * min(times), "ms_max": 1e3 * max(times),
            "valid_rows": float(np.mean(valid)), "prompts": float(np.mean(prompts_per_call)), "padded_rows": padded,
            "packed_rows": N, "lanes": lanes, "compile_s": round(compile_s, 1)}
-    if profile_n:
+    if profile_n and not by_layer:  # the profile maps kernels to the one-call module's HLO
         _, call = make_call(0)
         hlo = prefiller.packed_hlo(N, lanes) if packed else prefiller.chunk_hlo(batch)
         out["profile"] = profile_calls(call, hlo, profile_n, trace_dir,
@@ -212,7 +215,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--variants", nargs="+", default=["default", "no_skip", "packed"],
-                    choices=["default", "no_skip", "packed", "packed_xla_attention", "packed_ref_router"]
+                    choices=["default", "no_skip", "packed", "packed_by_layer", "packed_xla_attention", "packed_ref_router"]
                     + sorted(PATCHES))
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--lane-rows", type=int, nargs="+", default=[EngineConfig.prefill_lane_rows],
@@ -248,7 +251,7 @@ def main(argv=None):
                 res = guard(errors, f"{name} batch {b}", time_variant, model, cfg, backends, b, args.chunk, lengths,
                             args.calls, args.max_len, args.profile_calls, os.path.join(args.out, f"trace_{name}_{b}"),
                             packed(name), lane_rows or EngineConfig.prefill_lane_rows,
-                            os.path.join(args.out, f"hlo_{name}_{b}.txt.gz"))
+                            os.path.join(args.out, f"hlo_{name}_{b}.txt.gz"), name == "packed_by_layer")
             if res is None:
                 row["error"] = errors[-1][:200]
             else:

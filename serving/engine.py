@@ -89,6 +89,9 @@ class EngineConfig:
     # 8 lanes (384) against 94.4 ms with 12 (256); 10-11 prompts in 4,096 rows 10.3 vs 10.6 ms per prompt; 512 (8
     # lanes at 4,096 rows) 11.5 (experiments/results/prefill_2026-12-02/lanes/)
     prefill_lane_rows: int = 384
+    # run a packed prefill as one call per backbone layer (drama3_jax.generate.Prefiller by_layer): the same math,
+    # one compiled layer per type and row count instead of a whole 40-layer module per row count
+    prefill_by_layer: bool = False
     # admission policy: below `prefill_busy_streams` running streams admit at once; above it wait until
     # `prefill_min_batch` requests are queued or the oldest has waited `prefill_max_wait_ms`
     prefill_busy_streams: int = 32
@@ -287,7 +290,8 @@ class Engine:
 
         donate = jax.default_backend() != "cpu"
         self.prefiller = Prefiller(model, cfg.max_len, cfg.prefill_chunk, backends,
-                                   state_dtype=jnp.dtype(cfg.ssm_state_dtype) if cfg.ssm_state_dtype else None)
+                                   state_dtype=jnp.dtype(cfg.ssm_state_dtype) if cfg.ssm_state_dtype else None,
+                                   by_layer=cfg.prefill_by_layer)
         self._insert = jax.jit(prefill_insert, donate_argnums=(0,) if donate else ())
         self._move = jax.jit(move_slots, donate_argnums=(0,) if donate else ())
         self._step = jax.jit(decode_step, static_argnums=(2,), donate_argnums=(1,) if donate else ())

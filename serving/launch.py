@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "no values: no packing, every prompt padded to whole chunks in --prefill-batch-sizes calls")
     ap.add_argument("--prefill-lane-rows", type=int, default=384,
                     help="a packed call of N rows holds at most N // this many prompts")
+    ap.add_argument("--prefill-by-layer", action="store_true",
+                    help="run each packed prefill as one call per backbone layer (one compiled layer per type and "
+                         "row count: a shorter start-up)")
     ap.add_argument("--prefill-busy-streams", type=int, default=32)
     ap.add_argument("--prefill-min-batch", type=int, default=6)
     ap.add_argument("--prefill-max-wait-ms", type=float, default=100.0)
@@ -207,6 +210,7 @@ def main(argv=None):
                        max_new_tokens=args.max_new_tokens, frames_per_step=args.frames_per_step,
                        prefill_batch_sizes=tuple(sorted(args.prefill_batch_sizes)), prefill_chunk=args.prefill_chunk,
                        prefill_packed_rows=tuple(args.prefill_packed_rows), prefill_lane_rows=args.prefill_lane_rows,
+                       prefill_by_layer=args.prefill_by_layer,
                        prefill_busy_streams=args.prefill_busy_streams, prefill_min_batch=args.prefill_min_batch,
                        prefill_max_wait_ms=args.prefill_max_wait_ms, admit_guard_s=args.admit_guard_s,
                        admit_guard_new_s=args.admit_guard_new_s,

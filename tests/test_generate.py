@@ -211,6 +211,26 @@ def test_packed_prefill_equals_the_batched_prefill(model, tok):
         np.testing.assert_array_equal(np.asarray(r_got), np.asarray(r_want))
 
 
+def test_packed_prefill_by_layer_equals_the_one_call_prefill(model, tok):
+    """Prefiller(by_layer=True): the packed prefill as one call per backbone layer gives the one-call packed prefill's
+    whole DecodeState, and compiles one layer executable per layer type (3 GDN layers + 1 attention layer here)."""
+    import jax
+
+    cfg = model.cfg
+    prompts = [build_prompt(tok, cfg, "One small step."),
+               build_prompt(tok, cfg, "A third prompt.", [(ref_codes(cfg, 5, 2), "Reference words.")])]
+    params, seeds = [SamplingParams(1.0, 0.9, 30)] * 3, [7, 8, 9]
+    n = sum(len(p) for p in prompts)
+    runs = {}
+    for by_layer in (False, True):
+        prefill = Prefiller(model, max_len=256, chunk=128, by_layer=by_layer)
+        runs[by_layer] = prefill.packed(prompts, RequestSampling.make(params, seeds), num_rows=n + 5, num_seqs=3)
+    assert prefill._packed_layer._cache_size() == len(set(cfg.text.layer_types)) == 2
+    assert len(prefill.layer_types) == 4
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6),
+                 runs[True], runs[False])
+
+
 def test_packed_prefill_with_the_flash_attention_kernel(model, tok, monkeypatch):
     """The packed prefill with attention backend "pallas_triton" (its Pallas kernels in interpret mode: the
     backbone's and the tower's attention over each prompt's lanes) gives the reference backend's caches and last

@@ -15,10 +15,11 @@ from serving.engine import EngineConfig
 def test_prefill_timing_table(tmp_path):
     rc = prefill_timing.main(["--out", str(tmp_path), "--preset", "tiny", "--batch", "2", "--chunk", "512",
                               "--calls", "1", "--prompts", "3", "--max-len", "1030",
-                              "--profile-calls", "1"])
+                              "--profile-calls", "1", "--variants", "default", "no_skip", "packed", "packed_by_layer"])
     assert rc == 0
     R = json.loads((tmp_path / "prefill_timing.json").read_text())
-    assert [(r["variant"], r["batch"]) for r in R["rows"]] == [("default", 2), ("no_skip", 2), ("packed", 2)]
+    assert [(r["variant"], r["batch"]) for r in R["rows"]] == [("default", 2), ("no_skip", 2), ("packed", 2),
+                                                                ("packed_by_layer", 2)]
     assert 150 < R["length_mean"] < 500  # the synthetic set's prompts, built by the server's prompt builder
     for r in R["rows"]:
         assert "error" not in r, r.get("error")
@@ -27,6 +28,8 @@ def test_prefill_timing_table(tmp_path):
     packed = R["rows"][2]
     assert packed["prompts"] == 2 and packed["padded_rows"] == packed["packed_rows"] == 1024  # the (1024, 2) bucket
     assert packed["valid_rows"] <= 1024 and packed["lanes"] == 1024 // EngineConfig.prefill_lane_rows == 2
+    by_layer = R["rows"][3]  # the same call, one call per layer; not profiled (its kernels are in other modules)
+    assert by_layer["packed_rows"] == 1024 and by_layer["prompts"] == 2 and "profile" not in by_layer
     md = (tmp_path / "prefill_timing.md").read_text()
     assert "| no_skip | 2 |" in md and "by category" in md
     ms = R["rows"][0]["profile"]["kernel_ms_per_call"]
