@@ -56,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "no values: no packing, every prompt padded to whole chunks in --prefill-batch-sizes calls")
     ap.add_argument("--prefill-lane-rows", type=int, default=384,
                     help="a packed call of N rows holds at most N // this many prompts")
-    ap.add_argument("--prefill-by-layer", action="store_true",
+    ap.add_argument("--prefill-by-layer", action=argparse.BooleanOptionalAction, default=True,
                     help="run each packed prefill as one call per backbone layer (one compiled layer per type and "
-                         "row count: a shorter start-up)")
+                         "row count: a shorter start-up; --no-prefill-by-layer: one call)")
     ap.add_argument("--prefill-busy-streams", type=int, default=32)
     ap.add_argument("--prefill-min-batch", type=int, default=6)
     ap.add_argument("--prefill-max-wait-ms", type=float, default=100.0)
