@@ -61,16 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "row count: a shorter start-up; --no-prefill-by-layer: one call)")
     ap.add_argument("--prefill-busy-streams", type=int, default=32)
     ap.add_argument("--prefill-min-batch", type=int, default=6)
-    ap.add_argument("--prefill-max-wait-ms", type=float, default=100.0)
+    ap.add_argument("--prefill-max-wait-ms", type=float, default=30.0)
     ap.add_argument("--admit-guard-s", type=float, default=0.25,
                     help="admit new requests only while every playing stream has this much audio buffered")
     ap.add_argument("--admit-guard-new-s", type=float, default=None,
                     help="the same for streams that have played only their first chunk (default: --admit-guard-s)")
-    ap.add_argument("--codec-first-chunk", type=int, default=4, help="frames in a stream's first audio chunk")
+    ap.add_argument("--codec-first-chunk", type=int, default=2,
+                    help="frames in a stream's first audio chunk")
     ap.add_argument("--codec-chunk", type=int, default=8, help="most frames of one stream per codec call")
     ap.add_argument("--codec-period", type=int, default=8,
                     help="decode steps between the codec calls that serve every playing stream")
-    ap.add_argument("--codec-bridge", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--codec-bridge", action=argparse.BooleanOptionalAction, default=True,
                     help="between periodic calls, give a new stream a second chunk when its first would run dry")
     ap.add_argument("--decode-sizes", type=int, nargs="*", default=None,
                     help="decode steps run over the first n slots, n the smallest of these (or --max-streams) above "
