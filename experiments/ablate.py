@@ -82,8 +82,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "guard_new_0.1s": ("admission guard for streams on their first chunk 0.25 s -> 0.1 s",
                        lambda c: dataclasses.replace(c, admit_guard_new_s=0.1)),
     "guard_0.1s": ("admission guard 0.25 s -> 0.1 s", lambda c: dataclasses.replace(c, admit_guard_s=0.1)),
-    "prefill_wait_30ms": ("longest wait for a prefill batch 100 ms -> 30 ms (TTFA)",
-                          lambda c: dataclasses.replace(c, prefill_max_wait_ms=30.0)),
+    "prefill_wait_100ms": ("longest wait for a prefill batch 30 ms -> 100 ms (fuller prefill batches)",
+                           lambda c: dataclasses.replace(c, prefill_max_wait_ms=100.0)),
     "prefill_min_batch_3": ("prefill batch to wait for (above 32 busy streams) 6 -> 3 requests (TTFA)",
                             lambda c: dataclasses.replace(c, prefill_min_batch=3)),
     "codec_full_pool": ("codec on the called streams only -> on the whole slot pool",
@@ -366,13 +366,13 @@ def markdown(result: dict) -> str:
              f"Device: {result['device']} ({result['device_kind']}), jax {result['jax']}, {result['date']}  ",
              f"Protocol: {result['protocol']}  ", f"Full configuration: `{result['full_config']}`", "",
              "| config | switched off | change | audio s/s | steady audio s/s | TTFA p50 ms | TTFA p90 ms | TTFA after "
-             "the burst p50 ms | mean queue wait + admission to first audio ms | RTF p50 | broken | failed | "
-             "decode ms/call | ms/frame | compile s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "the burst p50 ms | mean queue wait + admission to first audio ms | RTF p50 | broken | underruns (s) | "
+             "failed | decode ms/call | ms/frame | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if r["status"] != "ok":
             lines.append(f"| {r['name']} | {r['off']} | {r['change']} | {r['status']}: {r['reason']} "
-                         "| | | | | | | | | | | |")
+                         "| | | | | | | | | | | | |")
             continue
         s = r["summary"]
         lines.append(f"| {r['name']} | {r['off']} | {r['change']} | {f(s['audio_s_per_s'])} | "
@@ -380,7 +380,8 @@ def markdown(result: dict) -> str:
                      f"{f(s.get('ttfa_after_burst_ms', {}).get('p50'), 0)} | "
                      f"{f(r['mean_ms'].get('queue_wait_ms'), 0)} + {f(r['mean_ms'].get('admit_to_first_audio_ms'), 0)} | "
                      f"{f(s['rtf']['p50'], 3)} | "
-                     f"{s['broken']} | {s['requests'] - s['ok']} | {f(r['mean_ms']['decode_step_ms'], 2)} | "
+                     f"{s['broken']} | {s['underrun_events']} ({f(s['underrun_total_s'], 2)}) | "
+                     f"{s['requests'] - s['ok']} | {f(r['mean_ms']['decode_step_ms'], 2)} | "
                      f"{f(r['decode_frame_ms'], 2)} | {f(r['compile_s'])} |")
     for r in result["rows"]:
         t = r.get("trace")

@@ -98,20 +98,24 @@ class EngineConfig:
     # `prefill_min_batch` requests are queued or the oldest has waited `prefill_max_wait_ms`
     prefill_busy_streams: int = 32
     prefill_min_batch: int = 6
-    # 30 ms (with a 2-frame first chunk and the bridge below): TTFA after the start-up burst p50 316 against 390 ms
-    # at 128 streams on the H200, 164.1 against 165.8 audio s/s, 0 broken (experiments/results/ablate_2026-12-05/)
+    # 30 ms against 100 ms at 128 streams on the H200: TTFA p50 415 vs 430 ms, after the start-up burst 336 vs
+    # 390 ms, 167.6 vs 165.8 audio s/s, 0 broken, no underrun (experiments/results/ablate_2026-12-05/)
     prefill_max_wait_ms: float = 30.0
     # a prefill stalls every running stream for its duration: admit only while each stream that is playing has at
     # least this much audio buffered (new streams wait rather than running ones breaking)
     admit_guard_s: float = 0.25
     # the same for streams that have played only their first chunk (None: `admit_guard_s`; see `guard_allows`)
     admit_guard_new_s: float | None = None
-    codec_first_chunk: int = 2  # frames in a stream's first audio chunk (see prefill_max_wait_ms)
+    # frames in a stream's first audio chunk. 2 (with the bridge) against 4 at 128 streams on the H200: TTFA p50 399
+    # vs 430 ms, but 312 underruns (8.9 s) against 10 (0.004 s), and 491 (22.5 s, C50 57%, 1 broken) through the
+    # server (experiments/results/ablate_2026-12-05/, serve_bench_20/): the short first chunk leaves too little
+    # audio buffered before the stream's first periodic call
+    codec_first_chunk: int = 4
     codec_period: int = 8  # decode steps between the calls that serve every playing stream
     # between periodic calls, give a new stream a second chunk when its first would run dry (see `codec_takes`). Off:
     # on the H200 at 128 streams the extra codec calls cost more than the gaps they fill (96.4 vs 86.7 audio s/s,
     # TTFA p50 1,710 vs 3,103 ms, both 0 broken; experiments/results/ablate_128_c/)
-    codec_bridge: bool = True
+    codec_bridge: bool = False
     # most frames of one stream per codec call. A period's frames (the default) is enough: the periodic call empties
     # every playing stream, so a larger cap only adds a compiled shape that steady state never uses
     codec_chunk: int = 8

@@ -66,12 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="admit new requests only while every playing stream has this much audio buffered")
     ap.add_argument("--admit-guard-new-s", type=float, default=None,
                     help="the same for streams that have played only their first chunk (default: --admit-guard-s)")
-    ap.add_argument("--codec-first-chunk", type=int, default=2,
+    ap.add_argument("--codec-first-chunk", type=int, default=4,
                     help="frames in a stream's first audio chunk")
     ap.add_argument("--codec-chunk", type=int, default=8, help="most frames of one stream per codec call")
     ap.add_argument("--codec-period", type=int, default=8,
                     help="decode steps between the codec calls that serve every playing stream")
-    ap.add_argument("--codec-bridge", action=argparse.BooleanOptionalAction, default=True,
+    ap.add_argument("--codec-bridge", action=argparse.BooleanOptionalAction, default=False,
                     help="between periodic calls, give a new stream a second chunk when its first would run dry")
     ap.add_argument("--decode-sizes", type=int, nargs="*", default=None,
                     help="decode steps run over the first n slots, n the smallest of these (or --max-streams) above "
