@@ -10,3 +10,18 @@ def test_decode_sizes_default_by_model_size_and_explicit_values_win():
     assert resolve_decode_sizes(None, 128, full_size=False) == ()       # the tiny model: whole-pool steps only
     assert resolve_decode_sizes([], 128, full_size=True) == ()          # `--decode-sizes` alone: whole pool
     assert resolve_decode_sizes([8, 24], 128, full_size=False) == (8, 24)
+
+
+def test_the_launcher_defaults_are_the_engine_defaults():
+    """serving.launch spells its defaults out (it imports no JAX before setting XLA_FLAGS), so a default changed in
+    EngineConfig must change there too: every option named after an EngineConfig field has the field's default."""
+    import dataclasses
+
+    from serving.engine import EngineConfig
+
+    args, engine = vars(build_parser().parse_args([])), EngineConfig()
+    shared = [f.name for f in dataclasses.fields(EngineConfig) if f.name in args and f.name != "decode_sizes"]
+    assert len(shared) > 20
+    for name in shared:
+        value = args[name]
+        assert (tuple(value) if isinstance(value, list) else value) == getattr(engine, name), name
