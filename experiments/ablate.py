@@ -7,7 +7,7 @@ compile time, and each row's full engine configuration in the JSON.
         [--budget-s 480] [--engine prefill_chunk=128 ...]
 
 The model parts are built once. A configuration that differs from the live engine's in admission / guard / tick fields
-only (`serving.engine.POLICY_FIELDS`: rows admit_now, sync_tick, guard_*, prefill_*, codec_bridge), or in its codec
+only (`serving.engine.POLICY_FIELDS`: rows admit_now, sync_tick, guard_*, prefill_*, codec_bridges_*), or in its codec
 schedule within the compiled frame counts (`CODEC_SCHEDULE_FIELDS`: first_chunk_2, codec_period_4, ...), runs on that
 engine, reconfigured ("compile s" 0); any other gets a fresh `Engine` (warm-up compile, run; the previous one shut
 down and its device memory freed). Requests are the benchmark client's request bodies, validated and prepared by the
@@ -75,8 +75,10 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                                                   admit_guard_s=float("-inf"))),
     "codec_every_step": ("periodic codec calls (every 8 steps) -> a call every step for every playing stream",
                          lambda c: dataclasses.replace(c, codec_period=1)),
-    "codec_bridge": ("no bridge chunk before a new stream's first periodic call (its first chunk may run dry) -> "
-                     "a bridge chunk", lambda c: dataclasses.replace(c, codec_bridge=True)),
+    "codec_bridges_1": ("no bridge chunk before a new stream's first periodic call (its first chunk may run dry) -> "
+                        "one bridge", lambda c: dataclasses.replace(c, codec_bridges=1)),
+    "codec_bridges_3": ("no bridge chunk -> up to 3 per stream, each when its audio would run dry before the next "
+                        "periodic call (for short first chunks)", lambda c: dataclasses.replace(c, codec_bridges=3)),
     # candidate settings (not switches of an optimisation), each changing one admission / batching knob: the guard
     # rows reuse the compiled executables, the prefill and codec rows below compile new shapes
     "guard_new_0.1s": ("admission guard for streams on their first chunk 0.25 s -> 0.1 s",

@@ -16,8 +16,8 @@ One tick of the engine thread (`pipeline_depth` = 1, the default):
      streams x frames including padding (experiments/results/codec_throughput.md), so calls are few and full: every
      `codec_period` decode steps one call takes the pending frames of every playing stream and of every stream whose
      text chunk ended (the flush, which frees the slot); in between, a call runs only for streams whose first chunk
-     (`codec_first_chunk` frames: time-to-first-audio) is ready or whose first chunk would run dry before the next
-     periodic call (one bridge chunk per stream), and takes only those. Flushes wait for the periodic
+     (`codec_first_chunk` frames: time-to-first-audio) is ready or whose audio would run dry before the next
+     periodic call (up to `codec_bridges` bridge chunks per stream), and takes only those. Flushes wait for the periodic
      call because at 128 streams streams end ~15 times a second, and a call each was ~10 extra calls/s on the H200
      (experiments/results/full_size_h200.md). Just the called streams' codec state is gathered from the pool; stream
      counts and frames are padded to small static sets;
@@ -112,10 +112,12 @@ class EngineConfig:
     # audio buffered before the stream's first periodic call
     codec_first_chunk: int = 4
     codec_period: int = 8  # decode steps between the calls that serve every playing stream
-    # between periodic calls, give a new stream a second chunk when its first would run dry (see `codec_takes`). Off:
-    # on the H200 at 128 streams the extra codec calls cost more than the gaps they fill (96.4 vs 86.7 audio s/s,
-    # TTFA p50 1,710 vs 3,103 ms, both 0 broken; experiments/results/ablate_128_c/)
-    codec_bridge: bool = False
+    # between periodic calls, give a stream that has played at most this many chunks one more when its audio would run
+    # dry before the next periodic call's audio lands (a "bridge", see `codec_takes`): up to this many bridges per
+    # stream. 0 (off): with a 4-frame first chunk on the H200 at 128 streams one bridge cost more than the gaps it
+    # filled (96.4 vs 86.7 audio s/s, TTFA p50 1,710 vs 3,103 ms, both 0 broken; experiments/results/ablate_128_c/),
+    # and one bridge after a 2-frame first chunk left 312 underruns (ablate_2026-12-05/)
+    codec_bridges: int = 0
     # most frames of one stream per codec call. A period's frames (the default) is enough: the periodic call empties
     # every playing stream, so a larger cap only adds a compiled shape that steady state never uses
     codec_chunk: int = 8
@@ -191,7 +193,7 @@ class EngineConfig:
 
 # fields the engine loop reads as it runs and no compiled shape depends on: `Engine.reconfigure` may change them
 POLICY_FIELDS = frozenset({"max_queue", "pipeline_depth", "prefill_busy_streams", "prefill_min_batch",
-                           "prefill_max_wait_ms", "admit_guard_s", "admit_guard_new_s", "codec_bridge",
+                           "prefill_max_wait_ms", "admit_guard_s", "admit_guard_new_s", "codec_bridges",
                            "stats_interval_s", "stall_warn_s", "benchmark_mode"})
 # the codec schedule: frames per chunk and steps between periodic calls. A codec call runs at the smallest compiled
 # frame count that holds its chunks (padded), so these may change too while the largest chunk they allow
@@ -780,10 +782,9 @@ class Engine:
         self._codec_countdown -= 1
         periodic = self._codec_countdown <= 0
         # the next periodic call's audio lands after the steps still to run plus one codec call
-        horizon = ((self._codec_countdown + 1) * self._step_interval_s + self._codec_latency_s
-                   if self.cfg.codec_bridge else 0.0)
+        horizon = (self._codec_countdown + 1) * self._step_interval_s + self._codec_latency_s
         ready = codec_takes(self.slots, periodic, self.cfg.codec_first_chunk, self.cfg.codec_buckets[-1],
-                            now=time.perf_counter(), horizon_s=horizon)
+                            now=time.perf_counter(), horizon_s=horizon, bridges=self.cfg.codec_bridges)
         if periodic:
             self._codec_countdown = self.cfg.codec_period
         if not ready:
@@ -866,17 +867,20 @@ class Engine:
 def _check_policy(cfg: EngineConfig):
     if cfg.pipeline_depth not in (0, 1):
         raise ValueError(f"pipeline_depth must be 0 or 1, got {cfg.pipeline_depth}")
+    if cfg.codec_bridges < 0:
+        raise ValueError(f"codec_bridges must be >= 0, got {cfg.codec_bridges}")
 
 
-def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float = 0.0,
-                horizon_s: float = 0.0) -> list[tuple[int, Request, int]]:
+def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float = 0.0, horizon_s: float = 0.0,
+                bridges: int = 0) -> list[tuple[int, Request, int]]:
     """The streams one codec call decodes, as (slot, request, frames taken), at most `cap` frames of each:
     - at any call, a stream whose first chunk is ready (`first_chunk` pending frames, none decoded yet), and a stream
-      that has played only its first chunk, has `first_chunk` more pending and whose audio ends (`t_audio_end`)
-      within `horizon_s` of `now`, i.e. before the next periodic call's audio can arrive. The short first chunk would
-      otherwise run dry waiting for the period: gaps of up to ~0.1 s right after the start at 128 streams on the
-      H200 (experiments/results/serve_bench_4). One such bridge per stream at most, so an overloaded engine does not
-      turn into a codec call every step. The engine passes horizon_s 0 (no bridges) unless `codec_bridge` is on;
+      that has played at least one and at most `bridges` chunks, has `first_chunk` more pending and whose audio ends
+      (`t_audio_end`) within `horizon_s` of `now`, i.e. before the next periodic call's audio can arrive (a bridge).
+      A short first chunk would otherwise run dry waiting for the period: gaps of up to ~0.1 s right after the start
+      at 128 streams on the H200 (experiments/results/serve_bench_4), and one bridge after a 2-frame first chunk was
+      not enough (ablate_2026-12-05/). At most `bridges` per stream, so an overloaded engine does not turn into a
+      codec call every step (0: none);
     - on a periodic call also every other playing stream and every stream whose text chunk ended (its flush)."""
     ready = []
     for s, r in enumerate(slots):
@@ -884,7 +888,8 @@ def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float
             continue
         enough = len(r.pending) >= first_chunk
         first_ready = r.audio_chunks == 0 and enough
-        running_dry = r.audio_chunks == 1 and enough and not r.chunk_done and r.t_audio_end - now < horizon_s
+        running_dry = (1 <= r.audio_chunks <= bridges and enough and not r.chunk_done
+                       and r.t_audio_end - now < horizon_s)
         if first_ready or running_dry or (periodic and (r.audio_chunks > 0 or r.chunk_done)):
             ready.append((s, r, min(len(r.pending), cap)))
     return ready
@@ -893,7 +898,7 @@ def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float
 def guard_allows(slots, now: float, guard_s: float, guard_new_s: float) -> bool:
     """The admission guard: True when every stream that is playing and still generating has at least `guard_s` of
     audio buffered (`t_audio_end - now`), or `guard_new_s` if it has played only its first chunk. A new stream's
-    first chunk is short (`codec_first_chunk` frames) and its second comes from the bridge rule of `codec_takes`, so
+    first chunk is short (`codec_first_chunk` frames) and its next may come from the bridge rule of `codec_takes`, so
     with one threshold for all, each admission blocks the next until the new streams' next periodic chunk."""
     for r in slots:
         if r is None or r.t_first_audio is None or r.chunk_done:

@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--codec-chunk", type=int, default=8, help="most frames of one stream per codec call")
     ap.add_argument("--codec-period", type=int, default=8,
                     help="decode steps between the codec calls that serve every playing stream")
-    ap.add_argument("--codec-bridge", action=argparse.BooleanOptionalAction, default=False,
-                    help="between periodic calls, give a new stream a second chunk when its first would run dry")
+    ap.add_argument("--codec-bridges", type=int, default=0,
+                    help="between periodic calls, give a stream that has played at most this many chunks one more "
+                         "when its audio would run dry before the next periodic call (0: never)")
     ap.add_argument("--decode-sizes", type=int, nargs="*", default=None,
                     help="decode steps run over the first n slots, n the smallest of these (or --max-streams) above "
                          "every occupied slot; each size compiles one more decode step (default: "
@@ -219,7 +220,7 @@ def main(argv=None):
                        codec_chunk=args.codec_chunk, codec_batch_sizes=tuple(args.codec_batch_sizes),
                        decode_sizes=resolve_decode_sizes(args.decode_sizes, args.max_streams, full_size=full_size),
                        compact_slots=args.compact_slots,
-                       codec_period=args.codec_period, codec_bridge=args.codec_bridge,
+                       codec_period=args.codec_period, codec_bridges=args.codec_bridges,
                        pipeline_depth=args.pipeline_depth, compile_threads=args.compile_threads,
                        stall_warn_s=args.stall_warn_s,
                        encode_warmup=args.encode_warmup,

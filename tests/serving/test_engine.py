@@ -5,6 +5,7 @@ works, the default) or synchronous."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -222,10 +223,11 @@ def test_codec_takes_first_chunks_anytime_the_rest_on_periodic_calls():
         (0, first, 4), (3, playing, 8), (4, ended, 2), (5, short, 2)]
 
 
-def test_codec_takes_bridges_a_first_chunk_that_would_run_dry():
-    """Between periodic calls, a stream that has played only its first chunk gets a second one when its audio ends
-    before the next periodic call could deliver (now + horizon) and it has a first chunk's worth of frames; never a
-    stream further along (an overloaded engine must not call the codec every step), never with too few frames."""
+def test_codec_takes_bridges_a_stream_that_would_run_dry_up_to_its_bridge_count():
+    """Between periodic calls, a stream that has played at least one and at most `bridges` chunks gets one more when its
+    audio ends before the next periodic call could deliver (now + horizon) and it has a first chunk's worth of frames;
+    never a stream further along (an overloaded engine must not call the codec every step), never with too few
+    frames, never with bridges 0."""
     from types import SimpleNamespace as R
 
     from serving.engine import codec_takes
@@ -237,12 +239,17 @@ def test_codec_takes_bridges_a_first_chunk_that_would_run_dry():
     dry = req(5, 1, now + 0.05)          # 50 ms of audio left, next periodic audio in 200 ms
     safe = req(5, 1, now + 0.5)          # enough audio to reach the periodic call
     few = req(3, 1, now + 0.05)          # would run dry, but fewer than a first chunk's frames
-    later = req(5, 2, now + 0.05)        # past its bridge: waits for the period
+    second = req(6, 2, now + 0.05)       # played its first chunk and one bridge
+    third = req(4, 3, now + 0.05)        # played two bridges
     ending = req(5, 1, now + 0.05, done=True)  # its text ended: a flush, periodic
-    slots = [dry, safe, few, later, ending]
-    assert codec_takes(slots, periodic=False, first_chunk=4, cap=8, now=now, horizon_s=0.2) == [(0, dry, 5)]
-    assert codec_takes(slots, periodic=False, first_chunk=4, cap=8, now=now, horizon_s=0.01) == []
-    assert codec_takes(slots, periodic=True, first_chunk=4, cap=8, now=now, horizon_s=0.2) == [
+    slots = [dry, safe, few, second, third, ending]
+    takes = functools.partial(codec_takes, slots, False, 4, 8, now=now)
+    assert takes(horizon_s=0.2, bridges=0) == []
+    assert takes(horizon_s=0.2, bridges=1) == [(0, dry, 5)]
+    assert takes(horizon_s=0.2, bridges=2) == [(0, dry, 5), (3, second, 6)]
+    assert takes(horizon_s=0.2, bridges=3) == [(0, dry, 5), (3, second, 6), (4, third, 4)]
+    assert takes(horizon_s=0.01, bridges=3) == []
+    assert codec_takes(slots, periodic=True, first_chunk=4, cap=8, now=now, horizon_s=0.2, bridges=1) == [
         (i, r, len(r.pending)) for i, r in enumerate(slots)]
 
 
