@@ -310,14 +310,9 @@ def test_reconfigure_swaps_policy_fields_only_and_only_when_idle(engine):
     assert engine.cfg is base
 
 
-def test_reconfigured_codec_schedule_runs_on_the_compiled_frame_counts(engine):
-    """First chunks of 2 frames and a periodic call every 2 steps, on an engine compiled for 4- and 8-frame calls:
-    the calls run padded to 4 frames (no compile), the first chunk holds 2 frames, and the audio is the same."""
-    base = engine.cfg
-    text = "A shorter first chunk."
-    chunks = []
-    (before,), _ = run(engine, [text], [7], forced=[9])
-    compiles = []
+def _chunks_with(engine, cfg, text, seed, forced):
+    """Run one request on `engine` reconfigured to `cfg` (then back): (its PCM chunks, backend compiles counted)."""
+    base, chunks, compiles = engine.cfg, [], []
 
     def listener(event, secs, **kw):
         if event == "/jax/core/compile/backend_compile_duration":
@@ -325,9 +320,9 @@ def test_reconfigured_codec_schedule_runs_on_the_compiled_frame_counts(engine):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        engine.reconfigure(dataclasses.replace(base, codec_first_chunk=2, codec_period=2))
+        engine.reconfigure(cfg)
         req = engine.submit(Request(chunks=[text], references=[], previous_takes=[], sampling=SamplingParams(),
-                                    seed=7, max_frames=10, forced_frames=9,
+                                    seed=seed, max_frames=10, forced_frames=forced,
                                     sink=lambda k, p: chunks.append(p) if k == "audio" else None))
         while not req.finished:
             time.sleep(0.02)
@@ -336,6 +331,16 @@ def test_reconfigured_codec_schedule_runs_on_the_compiled_frame_counts(engine):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
         engine.reconfigure(base)
+    return chunks, compiles
+
+
+def test_reconfigured_codec_schedule_runs_on_the_compiled_frame_counts(engine):
+    """First chunks of 2 frames and a periodic call every 2 steps, on an engine compiled for 4- and 8-frame calls:
+    the calls run padded to 4 frames (no compile), the first chunk holds 2 frames, and the audio is the same."""
+    text = "A shorter first chunk."
+    (before,), _ = run(engine, [text], [7], forced=[9])
+    chunks, compiles = _chunks_with(engine, dataclasses.replace(engine.cfg, codec_first_chunk=2, codec_period=2),
+                                    text, 7, 9)
     assert not compiles
     frame = engine.codec.frame_length
     sizes = [len(c) // frame for c in chunks]
@@ -343,3 +348,19 @@ def test_reconfigured_codec_schedule_runs_on_the_compiled_frame_counts(engine):
     # held-back frame), each run in the 4-frame shape
     assert sizes[0] == 2 and len(sizes) >= 4 and max(sizes) <= 4 and sum(sizes) == 9, sizes
     np.testing.assert_allclose(np.concatenate(chunks), before, atol=1e-4)
+
+
+def test_bridge_chunks_change_how_the_audio_is_cut_not_the_audio(engine):
+    """A 2-frame first chunk and up to 3 bridges with the 8-step period (a period's audio lasts far longer than 2
+    frames' 93 ms, so bridges are due): the same PCM as one 4-frame first chunk without bridges, no compile, and
+    more chunks than the periodic calls alone would make."""
+    text = "Bridged until the period comes."
+    (before,), _ = run(engine, [text], [11], forced=[10])
+    plain, _ = _chunks_with(engine, engine.cfg, text, 11, 10)
+    bridged, compiles = _chunks_with(engine, dataclasses.replace(engine.cfg, codec_first_chunk=2, codec_bridges=3),
+                                     text, 11, 10)
+    assert not compiles
+    frame = engine.codec.frame_length
+    sizes = [len(c) // frame for c in bridged]
+    assert sizes[0] == 2 and sum(sizes) == 10 and len(sizes) > len(plain), (sizes, [len(c) // frame for c in plain])
+    np.testing.assert_allclose(np.concatenate(bridged), before, atol=1e-4)
