@@ -104,7 +104,8 @@ class EngineConfig:
     # a prefill stalls every running stream for its duration: admit only while each stream that is playing has at
     # least this much audio buffered (new streams wait rather than running ones breaking)
     admit_guard_s: float = 0.25
-    # the same for streams that have played only their first chunk (None: `admit_guard_s`; see `guard_allows`)
+    # the same for streams that have played only their first chunk and bridges (None: `admit_guard_s`; see
+    # `guard_allows`)
     admit_guard_new_s: float | None = None
     # frames in a stream's first audio chunk. 2 (with the bridge) against 4 at 128 streams on the H200: TTFA p50 399
     # vs 430 ms, but 312 underruns (8.9 s) against 10 (0.004 s), and 491 (22.5 s, C50 57%, 1 broken) through the
@@ -567,7 +568,8 @@ class Engine:
         if free == 0 or not self.waiting:
             return False
         new_s = self.cfg.admit_guard_s if self.cfg.admit_guard_new_s is None else self.cfg.admit_guard_new_s
-        if not guard_allows(self.slots, time.perf_counter(), self.cfg.admit_guard_s, new_s):
+        if not guard_allows(self.slots, time.perf_counter(), self.cfg.admit_guard_s, new_s,
+                            new_chunks=max(1, self.cfg.codec_bridges + 1)):
             return False
         if self.active_count() < self.cfg.prefill_busy_streams:
             return True
@@ -895,15 +897,16 @@ def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float
     return ready
 
 
-def guard_allows(slots, now: float, guard_s: float, guard_new_s: float) -> bool:
+def guard_allows(slots, now: float, guard_s: float, guard_new_s: float, new_chunks: int = 1) -> bool:
     """The admission guard: True when every stream that is playing and still generating has at least `guard_s` of
-    audio buffered (`t_audio_end - now`), or `guard_new_s` if it has played only its first chunk. A new stream's
-    first chunk is short (`codec_first_chunk` frames) and its next may come from the bridge rule of `codec_takes`, so
-    with one threshold for all, each admission blocks the next until the new streams' next periodic chunk."""
+    audio buffered (`t_audio_end - now`), or `guard_new_s` if it has played at most `new_chunks` chunks (its first
+    chunk and the bridges of `codec_takes`: the engine passes codec_bridges + 1). A new stream's first chunk is short
+    (`codec_first_chunk` frames) and so are its bridges, so with one threshold for all, each admission blocks the next
+    until the new streams' next periodic chunk."""
     for r in slots:
         if r is None or r.t_first_audio is None or r.chunk_done:
             continue
-        if r.t_audio_end - now < (guard_new_s if r.audio_chunks <= 1 else guard_s):
+        if r.t_audio_end - now < (guard_new_s if r.audio_chunks <= new_chunks else guard_s):
             return False
     return True
 

@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--admit-guard-s", type=float, default=0.25,
                     help="admit new requests only while every playing stream has this much audio buffered")
     ap.add_argument("--admit-guard-new-s", type=float, default=None,
-                    help="the same for streams that have played only their first chunk (default: --admit-guard-s)")
+                    help="the same for streams that have played only their first chunk and bridges (default: "
+                         "--admit-guard-s)")
     ap.add_argument("--codec-first-chunk", type=int, default=4,
                     help="frames in a stream's first audio chunk")
     ap.add_argument("--codec-chunk", type=int, default=8, help="most frames of one stream per codec call")

@@ -255,7 +255,8 @@ def test_codec_takes_bridges_a_stream_that_would_run_dry_up_to_its_bridge_count(
 
 def test_admission_guard_has_its_own_threshold_for_streams_on_their_first_chunk():
     """Every playing, still-generating stream needs `guard_s` of buffered audio, one that has played only its first
-    chunk `guard_new_s`; streams not yet playing and streams whose text ended do not count."""
+    chunk (or at most `new_chunks`: first chunk and bridges) `guard_new_s`; streams not yet playing and streams whose
+    text ended do not count."""
     from types import SimpleNamespace as R
 
     from serving.engine import guard_allows
@@ -274,6 +275,9 @@ def test_admission_guard_has_its_own_threshold_for_streams_on_their_first_chunk(
     assert guard_allows([steady, new, *others], now, 0.25, 0.1)        # its own, lower threshold
     assert not guard_allows([req(3, 0.2), new], now, 0.25, 0.1)        # a steady stream below 0.25 s still blocks
     assert guard_allows([], now, 0.25, 0.1)
+    bridged = req(3, 0.15)                                             # first chunk and two bridges played
+    assert not guard_allows([steady, bridged], now, 0.25, 0.1)
+    assert guard_allows([steady, bridged], now, 0.25, 0.1, new_chunks=3)
 
 
 def test_reconfigure_swaps_policy_fields_only_and_only_when_idle(engine):
