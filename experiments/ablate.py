@@ -81,7 +81,7 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                         "periodic call (for short first chunks)", lambda c: dataclasses.replace(c, codec_bridges=3)),
     # candidate settings (not switches of an optimisation), each changing one admission / batching knob: the guard
     # rows reuse the compiled executables, the prefill and codec rows below compile new shapes
-    "guard_new_0.1s": ("admission guard for streams on their first chunk 0.25 s -> 0.1 s",
+    "guard_new_0.1s": ("admission guard for streams on their first chunk (and bridges) 0.25 s -> 0.1 s",
                        lambda c: dataclasses.replace(c, admit_guard_new_s=0.1)),
     "guard_0.1s": ("admission guard 0.25 s -> 0.1 s", lambda c: dataclasses.replace(c, admit_guard_s=0.1)),
     "prefill_wait_100ms": ("longest wait for a prefill batch 30 ms -> 100 ms (fuller prefill batches)",
