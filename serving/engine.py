@@ -569,7 +569,7 @@ class Engine:
             return False
         new_s = self.cfg.admit_guard_s if self.cfg.admit_guard_new_s is None else self.cfg.admit_guard_new_s
         if not guard_allows(self.slots, time.perf_counter(), self.cfg.admit_guard_s, new_s,
-                            new_chunks=max(1, self.cfg.codec_bridges + 1)):
+                            new_chunks=self.cfg.codec_bridges + 1):
             return False
         if self.active_count() < self.cfg.prefill_busy_streams:
             return True
