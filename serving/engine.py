@@ -397,7 +397,7 @@ class Engine:
 
         with ThreadPoolExecutor(max_workers=max(1, self.cfg.compile_threads)) as ex:
             results = {name: ex.submit(timed, name, fn) for name, fn in jobs.items()}
-            results = {name: f.result() for name, f in results.items()}
+            results = {name: _warm_up_result(name, f, self.cfg) for name, f in results.items()}
         t = time.perf_counter()
         jax.block_until_ready(decode_run())
         log.info("warm-up: decode steps run in %.1f s", time.perf_counter() - t)
@@ -895,6 +895,24 @@ def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float
         if first_ready or running_dry or (periodic and (r.audio_chunks > 0 or r.chunk_done)):
             ready.append((s, r, min(len(r.pending), cap)))
     return ready
+
+
+def _warm_up_result(name: str, future, cfg: EngineConfig):
+    """A warm-up job's result; running out of GPU memory becomes an error that names the shape and the limits that
+    set the memory (the JAX error alone names only an executable)."""
+    try:
+        return future.result()
+    except Exception as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise MemoryError(out_of_memory_message(name, cfg)) from e
+
+
+def out_of_memory_message(name: str, cfg: EngineConfig) -> str:
+    return (f"out of GPU memory while warming up {name} (max_streams {cfg.max_streams}, max_prompt_rows "
+            f"{cfg.max_prompt_rows}, max_new_tokens {cfg.max_new_tokens}, codec batches {cfg.codec_batch_sizes}, "
+            f"{cfg.compile_threads} warm-up jobs at once): lower --max-streams, --max-new-tokens, --max-prompt-rows, "
+            "--codec-batch-sizes or --compile-threads, or raise --gpu-memory-fraction")
 
 
 def guard_allows(slots, now: float, guard_s: float, guard_new_s: float, new_chunks: int = 1) -> bool:

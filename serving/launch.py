@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                     Path.home() / ".cache" / "drama3-jax" / "xla"),
                     help="persistent XLA compilation cache directory ('' disables; default $JAX_COMPILATION_CACHE_DIR, "
                          "else ~/.cache/drama3-jax/xla)")
+    ap.add_argument("--gpu-memory-fraction", type=float, default=None,
+                    help="share of the GPU's memory JAX reserves (weights, stream state, compiled calls' buffers); "
+                         "default $XLA_PYTHON_CLIENT_MEM_FRACTION, else 0.92")
     ap.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds to drain streams on SIGTERM")
     ap.add_argument("--log-level", default="info")
     return ap
@@ -150,9 +153,13 @@ def random_parts_in_memory(cfg, codec_cfg, dtype, seed: int = 0):
 def main(argv=None):
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from drama3_jax.xla_flags import apply_default_xla_flags
+    from drama3_jax.xla_flags import MEM_FRACTION_ENV, apply_default_xla_flags, apply_gpu_memory_fraction
 
     log.info("XLA_FLAGS=%s", apply_default_xla_flags())  # before JAX starts its backends
+    try:
+        log.info("%s=%s", MEM_FRACTION_ENV, apply_gpu_memory_fraction(args.gpu_memory_fraction))
+    except ValueError as e:
+        build_parser().error(str(e))
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -239,7 +246,11 @@ def main(argv=None):
     app = create_app(state)
     log.info("compiling prefill (packed calls of (rows, prompts) %s, batch sizes %s of %d-row chunks), the decode "
              "step and the codec ...", cfg.packed_buckets, cfg.batched_prefill_sizes, cfg.prefill_chunk)
-    dt = engine.warm_up()
+    try:
+        dt = engine.warm_up()
+    except MemoryError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from e
     log.info("warm-up (compilation) took %.1f s", dt)
     freeze_heap_and_watch_gc(metrics.gc_pause_seconds, args.stall_warn_s)
     serving_started.set()

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from drama3_jax.xla_flags import DEFAULT_XLA_FLAGS, apply_default_xla_flags, with_default_xla_flags
 
 MODE = "--xla_gpu_command_buffer_scheduling_mode"
@@ -43,3 +45,19 @@ def test_experiment_scripts_apply_them_before_jax_starts():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == f"{MODE}=CONCURRENT"
+
+
+def test_gpu_memory_fraction_flag_then_environment_then_default(monkeypatch):
+    from drama3_jax.xla_flags import (DEFAULT_GPU_MEMORY_FRACTION, MEM_FRACTION_ENV, apply_gpu_memory_fraction,
+                                      gpu_memory_fraction)
+
+    assert gpu_memory_fraction(None, {}) == str(DEFAULT_GPU_MEMORY_FRACTION) == "0.92"
+    assert gpu_memory_fraction(None, {MEM_FRACTION_ENV: ".8"}) == ".8"
+    assert gpu_memory_fraction(0.5, {MEM_FRACTION_ENV: ".8"}) == "0.5"
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="in \\(0, 1\\]"):
+            gpu_memory_fraction(bad, {})
+    with pytest.raises(ValueError, match="'most'"):
+        gpu_memory_fraction(None, {MEM_FRACTION_ENV: "most"})
+    monkeypatch.delenv(MEM_FRACTION_ENV, raising=False)
+    assert apply_gpu_memory_fraction(0.6) == "0.6" == os.environ[MEM_FRACTION_ENV]

@@ -17,7 +17,7 @@ import pytest
 from drama3_jax.generate import generate
 from drama3_jax.prompt import split_long_text
 from drama3_jax.sampling import SamplingParams
-from serving.engine import Engine, EngineConfig, Request, policy_changes
+from serving.engine import Engine, EngineConfig, Request, _warm_up_result, policy_changes
 from serving.launch import tiny_random_parts
 
 
@@ -368,3 +368,20 @@ def test_bridge_chunks_change_how_the_audio_is_cut_not_the_audio(engine):
     sizes = [len(c) // frame for c in bridged]
     assert sizes[0] == 2 and sum(sizes) == 10 and len(sizes) > len(plain), (sizes, [len(c) // frame for c in plain])
     np.testing.assert_allclose(np.concatenate(bridged), before, atol=1e-4)
+
+
+def test_a_warm_up_job_out_of_gpu_memory_names_its_shape_and_the_limits():
+    from concurrent.futures import Future
+
+    cfg = EngineConfig(max_streams=128, max_new_tokens=512)
+    oom, other = Future(), Future()
+    oom.set_exception(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 6.40GiB"))
+    other.set_exception(ValueError("bad shape"))
+    with pytest.raises(MemoryError, match="warming up codec 128 streams x 8 frames \\(max_streams 128, .*"
+                                          "max_new_tokens 512.*raise --gpu-memory-fraction"):
+        _warm_up_result("codec 128 streams x 8 frames", oom, cfg)
+    with pytest.raises(ValueError, match="bad shape"):
+        _warm_up_result("decode step 8 slots", other, cfg)
+    done = Future()
+    done.set_result(3)
+    assert _warm_up_result("x", done, cfg) == 3

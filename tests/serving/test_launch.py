@@ -25,3 +25,13 @@ def test_the_launcher_defaults_are_the_engine_defaults():
     for name in shared:
         value = args[name]
         assert (tuple(value) if isinstance(value, list) else value) == getattr(engine, name), name
+
+
+def test_a_gpu_memory_fraction_outside_0_1_is_a_usage_error(capsys):
+    import pytest
+
+    from serving.launch import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--gpu-memory-fraction", "1.5"])
+    assert e.value.code == 2 and "GPU memory fraction must be a number in (0, 1], got '1.5'" in capsys.readouterr().err
