@@ -155,11 +155,11 @@ def main(argv=None):
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from drama3_jax.xla_flags import MEM_FRACTION_ENV, apply_default_xla_flags, apply_gpu_memory_fraction
 
-    log.info("XLA_FLAGS=%s", apply_default_xla_flags())  # before JAX starts its backends
-    try:
+    try:  # both before JAX starts its backends; a bad fraction is a usage error before anything is changed
         log.info("%s=%s", MEM_FRACTION_ENV, apply_gpu_memory_fraction(args.gpu_memory_fraction))
     except ValueError as e:
         build_parser().error(str(e))
+    log.info("XLA_FLAGS=%s", apply_default_xla_flags())
     import jax
     import jax.numpy as jnp
     from flax import nnx
