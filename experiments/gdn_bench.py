@@ -81,7 +81,13 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     "triton_osplit_bv16": {"separate_output": True, "bv": 16},
                     "triton_osplit_bv64": {"separate_output": True, "bv": 64},
                     "triton_osplit_w2": {"separate_output": True, "num_warps": 2},
-                    "triton_osplit_ow8": {"separate_output": True, "out_num_warps": 8}}
+                    "triton_osplit_ow8": {"separate_output": True, "out_num_warps": 8},
+                    "triton_u_bf16": {"u_operand_dtype": True},
+                    # inverse + operands in one launch by 16-row blocks (no [64, 64] inverse through HBM)
+                    "triton_fused_w2": {"fused": True, "fused_num_warps": 2},
+                    "triton_fused_w4": {"fused": True, "fused_num_warps": 4},
+                    "triton_fused_w8": {"fused": True, "fused_num_warps": 8},
+                    "triton_fused_w4_u_bf16": {"fused": True, "fused_num_warps": 4, "u_operand_dtype": True}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}
@@ -325,6 +331,70 @@ def phase_prefill(jax, jnp, np, args):
         guard(R["errors"], f"prefill {B}x{T} {name}", run)
 
 
+def phase_profile(jax, jnp, np, args):
+    """Device time per kernel of one prefill call (jax.profiler trace, 5 calls after a warm-up) for each variant at
+    each --prefill-shapes shape, and FLA's kernels through torch.profiler at the same shapes when fla-core is
+    installed (not in --cpu-smoke): where each implementation spends its time, launch by launch."""
+    import tempfile
+    from collections import defaultdict
+    from experiments.decode_profile import gpu_kernel_events
+    from kernels.gdn import pallas_triton
+    shapes = [tuple(int(n) for n in s_.split("x")) for s_ in (args.prefill_shapes or "1x1024,1x4096,8x1024").split(",")]
+    rows = R.setdefault("profile", [])
+    n = 5
+    for B, T in shapes:
+        q, k, v, g, beta, s0 = prefill_inputs(jax, jnp, B, T)
+        for name, vk in PREFILL_VARIANTS.items():
+            def run():
+                fn = jax.jit(lambda *c: pallas_triton.gated_delta_chunk_prefill_triton(*c, **vk, **KEXTRA))
+                jax.block_until_ready(fn(q, k, v, g, beta, s0))
+                d = tempfile.mkdtemp()
+                with jax.profiler.trace(d, create_perfetto_trace=True):
+                    for _ in range(n):
+                        out = fn(q, k, v, g, beta, s0)
+                    jax.block_until_ready(out)
+                per = defaultdict(float)
+                for e in gpu_kernel_events(d):
+                    per[e["name"][:60]] += e["dur"] / 1e3 / n
+                row = dict(B=B, T=T, impl=name, kernels_ms={k_: round(v_, 4) for k_, v_ in
+                                                            sorted(per.items(), key=lambda kv: -kv[1])[:16]},
+                           total_ms=round(sum(per.values()), 4))
+                rows.append(row)
+                save(args.out)
+                log("profile", row)
+            guard(R["errors"], f"profile {B}x{T} {name}", run)
+        if args.cpu_smoke:
+            continue
+
+        def run_fla():
+            import torch
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+            fast_autotune()
+            t = lambda x: torch.from_dlpack(x)
+            tq, tk, tv = (t(x).contiguous() for x in (q, k, v))
+            tg, tb, ts0 = t(g).contiguous(), t(beta).to(torch.bfloat16).contiguous(), t(s0).clone()
+            fn = lambda: chunk_gated_delta_rule(tq, tk, tv, tg, tb, initial_state=ts0, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+            fn()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    fn()
+                torch.cuda.synchronize()
+            per = defaultdict(float)
+            for e in prof.key_averages():
+                dt = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                if dt and e.key and not e.key.startswith("ProfilerStep"):
+                    per[e.key[:60]] += dt / 1e3 / n
+            row = dict(B=B, T=T, impl="fla_chunk", kernels_ms={k_: round(v_, 4) for k_, v_ in
+                                                              sorted(per.items(), key=lambda kv: -kv[1])[:16]},
+                       total_ms=round(sum(per.values()), 4))
+            rows.append(row)
+            save(args.out)
+            log("profile", row)
+        guard(R["errors"], f"profile {B}x{T} fla", run_fla)
+
+
 def phase_ablation(jax, jnp, np, args):
     """500 decode steps, 16 streams, same random inputs, fp32 vs bf16 pool (both through the kernel) and the plain
     reference with an fp32 pool under HIGHEST precision as the truth."""
@@ -538,6 +608,13 @@ def report(out):
             L.append(f"| {B} | {T} | FLA chunk_gated_delta_rule (eager / graph) | {f['ms']:.3f} / "
                      f"{f.get('ms_graph', float('nan')):.3f} | {B * T / f['ms'] / 1e3:.1f} | | | {extra} |")
         L.append("")
+    if R.get("profile"):
+        L += ["## Prefill device time by kernel (ms per call; profiler trace, 5 calls)", "",
+              "| B | T | impl | total | kernels (largest first) |", "|---|---|---|---|---|"]
+        for r in R["profile"]:
+            ks = "; ".join(f"{k} {v:.4f}" for k, v in list(r["kernels_ms"].items())[:8])
+            L.append(f"| {r['B']} | {r['T']} | {r['impl']} | {r['total_ms']:.4f} | {ks} |")
+        L.append("")
     if R["ablation"]:
         a = R["ablation"]
         L += [f"## fp32 vs bf16 state: {a['steps']}-step decode, {a['streams']} streams (truth: {a['truth']})", "",
@@ -662,7 +739,7 @@ def main():
                                 stdout=open(os.path.join(args.out, "fla_warmup.txt"), "w"), stderr=subprocess.STDOUT)
     phase_meta(jax, jnp, args)
     table = {"check": phase_check, "decode": phase_decode, "prefill": phase_prefill, "ablation": phase_ablation,
-             "fla": phase_fla}
+             "fla": phase_fla, "profile": phase_profile}
     for p in phases:
         if time.time() - T0 > args.budget and p not in ("fla", "ablation"):
             R["errors"].append(f"phase {p} skipped: budget")
