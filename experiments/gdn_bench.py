@@ -84,6 +84,7 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     "triton_osplit_ow8": {"separate_output": True, "out_num_warps": 8},
                     "triton_u_bf16": {"u_operand_dtype": True},
                     # inverse + operands in one launch by 16-row blocks (no [64, 64] inverse through HBM)
+                    "triton_fused_w1": {"fused": True, "fused_num_warps": 1},
                     "triton_fused_w2": {"fused": True, "fused_num_warps": 2},
                     "triton_fused_w4": {"fused": True, "fused_num_warps": 4},
                     "triton_fused_w8": {"fused": True, "fused_num_warps": 8},
