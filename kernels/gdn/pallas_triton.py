@@ -76,12 +76,15 @@ TUNING = {
     # inverse in one warp: its forward substitution's reductions over 16 x 16 blocks stay within the warp (H200,
     # 2026-12-02, results/prefill_gdn_2026-12-02/: one layer at B=8, T=384 0.320 ms against 0.377 with 4 warps and
     # 0.328 with 2; T=1024: 0.755 against 0.914 at B=8, 0.141 against 0.155 at B=1)
-    # u_operand_dtype: store u = X (beta v) in the dot operand dtype (bf16) instead of fp32, as FLA does (half the
-    # bytes of the walk's largest input); an ablation switch until measured.
-    # fused: `_prep_kernel` (inverse + operands in one launch by 16-row blocks, no [64, 64] inverse in HBM) in
-    # fused_num_warps, instead of `_inv_kernel` + `_wu_kernel`; an ablation switch until measured
-    "prefill_prep": {"inv_num_warps": 1, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": False,
-                     "fused": False, "fused_num_warps": 4},
+    # u_operand_dtype: u = X (beta v) stored in the dot operand dtype (bf16), as FLA stores it, not fp32: the walk's
+    # largest input at half the bytes. H100, 2026-12-05 (results/gdn_prefill_2026-12-05_h100/): 5-7% faster per
+    # layer at every shape (1 x 4096: 0.428 against 0.458 ms), o rel. error 4.4e-3 against 4.0e-3.
+    # inverse: "parked" = `_inv_kernel` (A as one [64, 64] dot parked in the fp32 output, read back as blocks),
+    # "blocks" = `_inv_blocks_kernel` (A's blocks from block dots, X in registers, stored in the operand dtype).
+    # (A third form that also computed the operands in the same launch, by 16-row blocks, was 1.7-2x slower per
+    # layer at every shape and warp count on an H100 on 2026-12-05; its code is in commit 2874ef8.)
+    "prefill_prep": {"inv_num_warps": 1, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True,
+                     "inverse": "parked"},
     # separate_output: the walk keeps only the S chain's two dots and stores h / v_new; a parallel launch per
     # chunk computes o (out_num_warps). 7-11% slower at every shape measured (H200, 2026-12-03, 1 x 4096: 0.465
     # against 0.433 ms; results/gdn_prefill_osplit_2026-12-03/), so it is off: an ablation switch
@@ -472,11 +475,10 @@ def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
         dl_ref[bi, h, c] = jnp.ones((), f32)
 
 
-def _prep_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
-                 w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *, rep, dk, dv, scale, dot):
-    """`_inv_kernel` and `_wu_kernel` in one launch (same grid, same outputs as `_wu_kernel`), by 16-row blocks:
-    A's blocks come straight from the block dots, so (I + A)^-1 stays in registers and is never stored, and q / k /
-    beta / g are read once for both halves."""
+def _inv_blocks_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot):
+    """`_inv_kernel` without parking A: its ten [16, 16] blocks come straight from block dots of k's 16-row
+    blocks, so A and (I + A)^-1 stay in registers, and X is stored once in x_ref's dtype (the dot operand dtype:
+    `_wu_kernel` rounds X to it anyway). The layout of FLA's fused kkt + solve_tril kernel (chunk_fwd.py)."""
     bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // rep
     L = len_ref[bi]
@@ -486,58 +488,29 @@ def _prep_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref,
     @pl.when(t0 < L)
     def _():
         sr = jnp.arange(SUB, dtype=jnp.int32)
-        lower, tril = sr[:, None] > sr[None, :], sr[:, None] >= sr[None, :]
-        opdt = _DOT_DTYPE[dot]  # k is kept in the dot operand dtype (fewer live registers); q is read per block
-        src, valid, k, be, gc = [], [], [], [], []
+        lower = sr[:, None] > sr[None, :]
+        k, be, gc = [], [], []
         base = jnp.zeros((), f32)  # the chunk's log decay summed over the blocks before this one
         for i in range(nb):
-            valid.append(((t0 + i * SUB + sr) < L)[:, None])
-            src.append(pl.ds(off_ref[bi] + t0 + i * SUB, SUB))
-            k.append(_l2n(_masked_load(k_ref.at[src[i], kh, :], valid[i], (SUB, dk))).astype(opdt))
-            be.append(_masked_load(beta_ref.at[src[i], h], valid[i][:, 0], (SUB,)))
-            g = _masked_load(g_ref.at[src[i], h], valid[i][:, 0], (SUB,))
+            valid = (t0 + i * SUB + sr) < L
+            src = pl.ds(off_ref[bi] + t0 + i * SUB, SUB)
+            k.append(_l2n(_masked_load(k_ref.at[src, kh, :], valid[:, None], (SUB, dk))))
+            be.append(_masked_load(beta_ref.at[src, h], valid, (SUB,)))
+            g = _masked_load(g_ref.at[src, h], valid, (SUB,))
             gc.append(jnp.cumsum(g) + base)
             base = base + jnp.sum(g)
-        gl = base
-
-        def decay(i, j, mask):  # exp(gc_i - gc_j) where mask holds (exponents <= 0 there), else 1
-            dg = gc[i][:, None] - gc[j][None, :]
-            return jnp.exp(dg if mask is None else jnp.where(mask, dg, 0.0))
-
         A = {}
         for i in range(nb):
             for j in range(i + 1):
-                a = be[i][:, None] * _dot_nt(k[i], k[j], dot) * decay(i, j, lower if i == j else None)
+                dg = gc[i][:, None] - gc[j][None, :]  # <= 0 below the diagonal
+                a = be[i][:, None] * _dot_nt(k[i], k[j], dot) * jnp.exp(jnp.where(lower, dg, 0.0) if i == j else dg)
                 A[i, j] = jnp.where(lower, a, 0.0) if i == j else a
         X = _invert_blocks(A, nb)
-        kb = [(k[j] * (be[j] * jnp.exp(gc[j]))[:, None]).astype(opdt) for j in range(nb)]
-        vb = [(_masked_load(v_ref.at[src[j], h, :], valid[j], (SUB, dv)) * be[j][:, None]).astype(opdt)
-              for j in range(nb)]
-        zero = jnp.zeros((SUB, SUB), aqk_ref.dtype)
+        zero = jnp.zeros((SUB, SUB), x_ref.dtype)
         for i in range(nb):
-            rows = pl.ds(t0 + i * SUB, SUB)
-            q = _l2n(_masked_load(q_ref.at[src[i], kh, :], valid[i], (SUB, dk))) * scale
-            w = _dot(X[i, 0], kb[0], dot)
-            u = _dot(X[i, 0], vb[0], dot)
-            for j in range(1, i + 1):
-                w = w + _dot(X[i, j], kb[j], dot)
-                u = u + _dot(X[i, j], vb[j], dot)
-            w_ref[bi, h, rows, :] = w.astype(w_ref.dtype)
-            u_ref[bi, h, rows, :] = u.astype(u_ref.dtype)
-            qg_ref[bi, h, rows, :] = (q * jnp.exp(gc[i])[:, None]).astype(qg_ref.dtype)
-            kg_ref[bi, h, rows, :] = (k[i] * jnp.exp(gl - gc[i])[:, None]).astype(kg_ref.dtype)
             for j in range(nb):
-                cols = pl.ds(j * SUB, SUB)
-                if j > i:
-                    aqk_ref[bi, h, rows, cols] = zero
-                    continue
-                a = _dot_nt(q, k[j], dot) * decay(i, j, tril if i == j else None)
-                aqk_ref[bi, h, rows, cols] = (jnp.where(tril, a, 0.0) if i == j else a).astype(aqk_ref.dtype)
-        dl_ref[bi, h, c] = jnp.exp(gl)
-
-    @pl.when(t0 >= L)
-    def _():
-        dl_ref[bi, h, c] = jnp.ones((), f32)
+                x_ref[bi, h, pl.ds(t0 + i * SUB, SUB), pl.ds(j * SUB, SUB)] = (
+                    X[i, j].astype(x_ref.dtype) if j <= i else zero)
 
 
 def _dot_nt(a, b, mode):
@@ -621,7 +594,7 @@ def _output_kernel(len_ref, off_ref, qg_ref, aqk_ref, h_ref, vn_ref, o_ref, *, d
 def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool = False, *,
                    dot=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
                    inv_num_warps=None, wu_num_warps=None, separate_output=None, out_num_warps=None,
-                   u_operand_dtype=None, fused=None, fused_num_warps=None):
+                   u_operand_dtype=None, inverse=None):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
     offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches, four with separate_output.
     Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v] fp32). Tuning
@@ -640,8 +613,7 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages,
                                        separate_output=separate_output, out_num_warps=out_num_warps))
     pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps,
-                                      u_operand_dtype=u_operand_dtype, fused=fused,
-                                      fused_num_warps=fused_num_warps))
+                                      u_operand_dtype=u_operand_dtype, inverse=inverse))
     nc = pl.cdiv(seq_len, CHUNK)
     tp = nc * CHUNK
     bv_ = ps["bv"]
@@ -658,24 +630,25 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
                       jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
                       jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
                       jax.ShapeDtypeStruct((B, hv, nc), f32))
-    if pp["fused"]:  # inverse and operands in one launch, (I + A)^-1 kept in registers
-        w, u, qg, kg, aqk, dl = pl.pallas_call(
-            functools.partial(_prep_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
-            out_shape=operands_shape, grid=(B, hv, nc),
-            compiler_params=plt.CompilerParams(num_warps=pp["fused_num_warps"], num_stages=pp["num_stages"]),
-            interpret=interpret, name="gdn_prefill_prep",
-        )(lengths, offsets, q, k, v, g, beta)
-    else:
+    if pp["inverse"] == "blocks":
+        xinv = pl.pallas_call(
+            functools.partial(_inv_blocks_kernel, rep=rep, dk=dk, dot=dot),
+            out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
+            grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse_blocks",
+        )(lengths, offsets, k, g, beta)
+    elif pp["inverse"] == "parked":
         xinv = pl.pallas_call(
             functools.partial(_inv_kernel, rep=rep, dk=dk, dot=dot, barrier=not interpret),
             out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), f32),
             grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse",
         )(lengths, offsets, k, g, beta)
-        w, u, qg, kg, aqk, dl = pl.pallas_call(
-            functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
-            out_shape=operands_shape, grid=(B, hv, nc), compiler_params=pwu, interpret=interpret,
-            name="gdn_prefill_wu",
-        )(lengths, offsets, q, k, v, g, beta, xinv)
+    else:
+        raise ValueError(f"unknown inverse {pp['inverse']!r}: expected 'parked' or 'blocks'")
+    w, u, qg, kg, aqk, dl = pl.pallas_call(
+        functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
+        out_shape=operands_shape, grid=(B, hv, nc), compiler_params=pwu, interpret=interpret,
+        name="gdn_prefill_wu",
+    )(lengths, offsets, q, k, v, g, beta, xinv)
     args = (lengths, offsets, w, u, qg, kg, aqk, dl) + ((initial_state,) if has_init else ())
     separate = ps["separate_output"]
     if separate:  # the walk stores h [B, H_v, chunks, D_k, D_v] and v_new; o comes from _output_kernel
