@@ -82,7 +82,7 @@ TUNING = {
     # inverse: "parked" = `_inv_kernel` (A as one [64, 64] dot parked in the fp32 output, read back as blocks),
     # "blocks" = `_inv_blocks_kernel` (A's blocks from block dots, X in registers, stored in the operand dtype).
     # (A third form that also computed the operands in the same launch, by 16-row blocks, was 1.7-2x slower per
-    # layer at every shape and warp count on an H100 on 2026-12-05; its code is in commit 2874ef8.)
+    # layer at every shape and warp count on an H100 on 2026-12-05; its code is in commit 3b90dac.)
     "prefill_prep": {"inv_num_warps": 1, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True,
                      "inverse": "parked"},
     # separate_output: the walk keeps only the S chain's two dots and stores h / v_new; a parallel launch per
