@@ -77,12 +77,12 @@ TUNING = {
     # 2026-12-02, results/prefill_gdn_2026-12-02/: one layer at B=8, T=384 0.320 ms against 0.377 with 4 warps and
     # 0.328 with 2; T=1024: 0.755 against 0.914 at B=8, 0.141 against 0.155 at B=1)
     # u_operand_dtype: u = X (beta v) stored in the dot operand dtype (bf16), as FLA stores it, not fp32: the walk's
-    # largest input at half the bytes. H100, 2026-12-05 (results/gdn_prefill_2026-12-05_h100/): 5-7% faster per
+    # largest input at half the bytes. H100, 2026-12-06 (results/gdn_prefill_2026-12-05_h100/): 5-7% faster per
     # layer at every shape (1 x 4096: 0.428 against 0.458 ms), o rel. error 4.4e-3 against 4.0e-3.
     # inverse: "parked" = `_inv_kernel` (A as one [64, 64] dot parked in the fp32 output, read back as blocks),
     # "blocks" = `_inv_blocks_kernel` (A's blocks from block dots, X in registers, stored in the operand dtype).
     # (A third form that also computed the operands in the same launch, by 16-row blocks, was 1.7-2x slower per
-    # layer at every shape and warp count on an H100 on 2026-12-05; its code is in commit 3b90dac.)
+    # layer at every shape and warp count on an H100 on 2026-12-06; its code is in commit 3b90dac.)
     "prefill_prep": {"inv_num_warps": 1, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True,
                      "inverse": "parked"},
     # separate_output: the walk keeps only the S chain's two dots and stores h / v_new; a parallel launch per
