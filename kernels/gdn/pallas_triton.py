@@ -522,9 +522,11 @@ def _dot_nt(a, b, mode):
 
 
 def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *rest, dk, bv, nc, dot, has_init,
-                  static_loop, separate_output):
+                  static_loop, separate_output, span):
     """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers:
-    v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new. Writes o on the sequence's rows only.
+    v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new. Writes o on the sequence's rows only, or with
+    `span` (static; needs static_loop) on its first `span` rows: the rows past its length come out 0 (their operands
+    load as 0), so a right-padded batch needs no masking pass after the kernel.
     separate_output: o is left to `_output_kernel`; the walk stores each chunk's entering state S (h) and v_new
     instead (in the dot operand dtype, which is what the o dots would round them to), so only the two dots of the
     S chain stay in the sequential loop (FLA's chunk_fwd_h / chunk_fwd_o split)."""
@@ -566,7 +568,7 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
             aqk = ld(aqk_ref.at[bi, h, rows, :], CHUNK, opdt)
             o = _dot(qg, S, dot) + _dot(aqk, v_new, dot)
             plt.store(o_ref.at[pl.ds(off + t0, CHUNK), h, cols], o,
-                      mask=jnp.broadcast_to(((t0 + cr) < L)[:, None], (CHUNK, bv)))
+                      mask=jnp.broadcast_to(((t0 + cr) < (L if span is None else span))[:, None], (CHUNK, bv)))
         S = dl * S + _dot(kg, v_new, dot, trans_a=True)
         return S
 
@@ -594,11 +596,13 @@ def _output_kernel(len_ref, off_ref, qg_ref, aqk_ref, h_ref, vn_ref, o_ref, *, d
 def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool = False, *,
                    dot=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
                    inv_num_warps=None, wu_num_warps=None, separate_output=None, out_num_warps=None,
-                   u_operand_dtype=None, inverse=None):
+                   u_operand_dtype=None, inverse=None, padded=False):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
     offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches, four with separate_output.
-    Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v] fp32). Tuning
-    overrides: see TUNING ("prefill", "prefill_state", "prefill_prep")."""
+    Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v] fp32; zero_filled).
+    `padded`: the right-padded layout (offsets b * seq_len); where the walk computes o over a static chunk loop it
+    also writes the zeros past each length, and `zero_filled` says so (no masking pass needed). Tuning overrides:
+    see TUNING ("prefill", "prefill_state", "prefill_prep")."""
     pd = _params("prefill", dict(dot=dot))
     dot = pd["dot"]
     N, hk, dk = q.shape
@@ -654,9 +658,11 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     if separate:  # the walk stores h [B, H_v, chunks, D_k, D_v] and v_new; o comes from _output_kernel
         out_shape = (jax.ShapeDtypeStruct((B, hv, nc, dk, dv), opdt), jax.ShapeDtypeStruct((B, hv, tp, dv), opdt),
                      out_shape[1])
+    zero_filled = padded and ps["static_loop"] and not separate
     walk = pl.pallas_call(
         functools.partial(_state_kernel, dk=dk, bv=bv_, nc=nc, dot=dot, has_init=has_init,
-                          static_loop=ps["static_loop"], separate_output=separate),
+                          static_loop=ps["static_loop"], separate_output=separate,
+                          span=seq_len if zero_filled else None),
         out_shape=out_shape,
         grid=(B, hv, dv // bv_),
         compiler_params=plt.CompilerParams(num_warps=ps["num_warps"], num_stages=ps["num_stages"]),
@@ -664,7 +670,7 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
         name="gdn_prefill_state",
     )(*args)
     if not separate:
-        return walk
+        return walk + (zero_filled,)
     h, vn, final_state = walk
     o = pl.pallas_call(
         functools.partial(_output_kernel, dot=dot),
@@ -674,7 +680,7 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
         interpret=interpret,
         name="gdn_prefill_output",
     )(lengths, offsets, qg, aqk, h, vn)
-    return o, final_state
+    return o, final_state, False
 
 
 def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengths=None, *, interpret: bool = False,
@@ -687,10 +693,14 @@ def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengt
     B, T = q.shape[:2]
     lengths = jnp.full((B,), T, jnp.int32) if lengths is None else jnp.minimum(lengths.astype(jnp.int32), T)
     rows = lambda x: x.reshape((B * T,) + x.shape[2:])
-    o, st = _chunk_prefill(*map(rows, (q, k, v, g, beta)), initial_state, jnp.arange(B, dtype=jnp.int32) * T,
-                           lengths, T, interpret, **tuning)
+    o, st, zero_filled = _chunk_prefill(*map(rows, (q, k, v, g, beta)), initial_state,
+                                        jnp.arange(B, dtype=jnp.int32) * T, lengths, T, interpret, padded=True,
+                                        **tuning)
+    o = o.reshape((B, T) + o.shape[1:])
+    if zero_filled:
+        return o, st
     valid = jnp.arange(T)[None, :] < lengths[:, None]
-    return jnp.where(valid[..., None, None], o.reshape((B, T) + o.shape[1:]), 0.0), st
+    return jnp.where(valid[..., None, None], o, 0.0), st
 
 
 def gated_delta_packed_prefill_triton(q, k, v, g, beta, initial_state, offsets, lengths, *, seq_len: int,
@@ -701,8 +711,8 @@ def gated_delta_packed_prefill_triton(q, k, v, g, beta, initial_state, offsets, 
     lengths[p] - 1 (lengths <= seq_len, static). The kernels read those rows in place (no gather into lanes) and
     write o there; rows outside every sequence come back zero. `tuning` as for `gated_delta_chunk_prefill_triton`."""
     N = q.shape[1]
-    o, st = _chunk_prefill(q[0], k[0], v[0], g[0], beta[0], initial_state, offsets, lengths, seq_len, interpret,
-                           **tuning)
+    o, st, _ = _chunk_prefill(q[0], k[0], v[0], g[0], beta[0], initial_state, offsets, lengths, seq_len, interpret,
+                              **tuning)
     r = jnp.arange(N, dtype=jnp.int32)[:, None]
     valid = ((r >= offsets[None, :]) & (r < (offsets + lengths)[None, :])).any(axis=1)
     return jnp.where(valid[:, None, None], o, 0.0)[None], st
