@@ -88,8 +88,12 @@ TUNING = {
     # separate_output: the walk keeps only the S chain's two dots and stores h / v_new; a parallel launch per
     # chunk computes o (out_num_warps). 7-11% slower at every shape measured (H200, 2026-12-03, 1 x 4096: 0.465
     # against 0.433 ms; results/gdn_prefill_osplit_2026-12-03/), so it is off: an ablation switch
+    # fold_output: o's intra-chunk term folded into the walk's operands (`_wu_folded_kernel`): per chunk one
+    # [128, D_k] x [D_k, bv] dot gives w S and (qg - Aqk w) S, and o = that + Aqk u, so the walk runs 2 dots
+    # instead of 4 and never loads Aqk. Built 2026-12-06, not yet measured on a GPU: off.
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
-                      "num_stages": 2, "static_loop": True, "separate_output": False, "out_num_warps": 4},
+                      "num_stages": 2, "static_loop": True, "separate_output": False, "out_num_warps": 4,
+                      "fold_output": False},
     "prefill": {"dot": "bfloat16"},
 }
 CHUNK = 64     # rows per chunk (prefill)
@@ -475,6 +479,48 @@ def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
         dl_ref[bi, h, c] = jnp.ones((), f32)
 
 
+def _wu_folded_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
+                      wq_ref, u_ref, au_ref, kg_ref, dl_ref, *, rep, dk, dv, scale, dot):
+    """`_wu_kernel` with the chunk's intra-chunk output folded into the walk's operands. Since v_new = u - w S,
+    o = qg S + Aqk v_new = (qg - Aqk w) S + Aqk u: per chunk, wq [2 * 64, D_k] holds w (rows 0..63) above
+    qw = qg - Aqk w (rows 64..127), so the walk gets w S and qw S from one [128, D_k] x [D_k, bv] dot, and
+    au = Aqk u is o's other term; Aqk itself never leaves the program. w and u are rounded to their stored dtypes
+    before Aqk multiplies them, as the walk sees them."""
+    bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kh = h // rep
+    L = len_ref[bi]
+    t0 = c * CHUNK
+
+    @pl.when(t0 < L)
+    def _():
+        cr = jnp.arange(CHUNK, dtype=jnp.int32)
+        valid = (t0 + cr) < L
+        rows = pl.ds(t0, CHUNK)
+        src = pl.ds(off_ref[bi] + t0, CHUNK)
+        q = _l2n(_masked_load(q_ref.at[src, kh, :], valid[:, None], (CHUNK, dk))) * scale
+        k = _l2n(_masked_load(k_ref.at[src, kh, :], valid[:, None], (CHUNK, dk)))
+        v = _masked_load(v_ref.at[src, h, :], valid[:, None], (CHUNK, dv))
+        be = _masked_load(beta_ref.at[src, h], valid, (CHUNK,))
+        gc = jnp.cumsum(_masked_load(g_ref.at[src, h], valid, (CHUNK,)))
+        gl = jnp.sum(jnp.where(cr == CHUNK - 1, gc, 0.0))
+        X = x_ref[bi, h, rows, :]
+        w = _dot(X, k * (be * jnp.exp(gc))[:, None], dot).astype(wq_ref.dtype)
+        u = _dot(X, v * be[:, None], dot).astype(u_ref.dtype)
+        tri = cr[:, None] >= cr[None, :]
+        dg = jnp.where(tri, gc[:, None] - gc[None, :], 0.0)
+        aqk = jnp.where(tri, _dot_nt(q, k, dot) * jnp.exp(dg), 0.0)
+        wq_ref[bi, h, c, pl.ds(0, CHUNK), :] = w
+        wq_ref[bi, h, c, pl.ds(CHUNK, CHUNK), :] = (q * jnp.exp(gc)[:, None] - _dot(aqk, w, dot)).astype(wq_ref.dtype)
+        u_ref[bi, h, rows, :] = u
+        au_ref[bi, h, rows, :] = _dot(aqk, u, dot).astype(au_ref.dtype)
+        kg_ref[bi, h, rows, :] = (k * jnp.exp(gl - gc)[:, None]).astype(kg_ref.dtype)
+        dl_ref[bi, h, c] = jnp.exp(gl)
+
+    @pl.when(t0 >= L)
+    def _():
+        dl_ref[bi, h, c] = jnp.ones((), f32)
+
+
 def _inv_blocks_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot):
     """`_inv_kernel` without parking A: its ten [16, 16] blocks come straight from block dots of k's 16-row
     blocks, so A and (I + A)^-1 stay in registers, and X is stored once in x_ref's dtype (the dot operand dtype:
@@ -522,11 +568,13 @@ def _dot_nt(a, b, mode):
 
 
 def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *rest, dk, bv, nc, dot, has_init,
-                  static_loop, separate_output, span):
+                  static_loop, separate_output, span, folded):
     """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers:
     v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new. Writes o on the sequence's rows only, or with
     `span` (static; needs static_loop) on its first `span` rows: the rows past its length come out 0 (their operands
     load as 0), so a right-padded batch needs no masking pass after the kernel.
+    folded: w_ref holds `_wu_folded_kernel`'s wq and aqk_ref its au (qg_ref is unused): one dot wq S gives w S and
+    qw S, and o = qw S + au.
     separate_output: o is left to `_output_kernel`; the walk stores each chunk's entering state S (h) and v_new
     instead (in the dot operand dtype, which is what the o dots would round them to), so only the two dots of the
     S chain stay in the sequential loop (FLA's chunk_fwd_h / chunk_fwd_o split)."""
@@ -555,10 +603,21 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
         else:
             ld = lambda ref, n, dt: ref[...].astype(dt)
         opdt = _DOT_DTYPE[dot]
-        w = ld(w_ref.at[bi, h, rows, :], dk, opdt)
         kg = ld(kg_ref.at[bi, h, rows, :], dk, opdt)
         u = ld(u_ref.at[bi, h, rows, cols], bv, f32)
         dl = dl_ref[bi, h, c]
+        if folded:
+            if static_loop:
+                wq = _masked_load(w_ref.at[bi, h, c], jnp.broadcast_to(t0 < L, (2 * CHUNK, 1)), (2 * CHUNK, dk), opdt)
+            else:
+                wq = w_ref[bi, h, c].astype(opdt)
+            ws, qs = jnp.split(_dot(wq, S, dot), 2, axis=0)
+            v_new = u - ws
+            o = qs + ld(aqk_ref.at[bi, h, rows, cols], bv, f32)
+            plt.store(o_ref.at[pl.ds(off + t0, CHUNK), h, cols], o,
+                      mask=jnp.broadcast_to(((t0 + cr) < (L if span is None else span))[:, None], (CHUNK, bv)))
+            return dl * S + _dot(kg, v_new, dot, trans_a=True)
+        w = ld(w_ref.at[bi, h, rows, :], dk, opdt)
         v_new = u - _dot(w, S, dot)
         if separate_output:
             h_ref[bi, h, c, :, cols] = S.astype(h_ref.dtype)
@@ -596,7 +655,7 @@ def _output_kernel(len_ref, off_ref, qg_ref, aqk_ref, h_ref, vn_ref, o_ref, *, d
 def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool = False, *,
                    dot=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
                    inv_num_warps=None, wu_num_warps=None, separate_output=None, out_num_warps=None,
-                   u_operand_dtype=None, inverse=None, padded=False):
+                   u_operand_dtype=None, inverse=None, fold_output=None, padded=False):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
     offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches, four with separate_output.
     Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v] fp32; zero_filled).
@@ -615,7 +674,8 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     has_init = initial_state is not None
     out_shape = (jax.ShapeDtypeStruct((N, hv, dv), f32), jax.ShapeDtypeStruct((B, hv, dk, dv), f32))
     ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages,
-                                       separate_output=separate_output, out_num_warps=out_num_warps))
+                                       separate_output=separate_output, out_num_warps=out_num_warps,
+                                       fold_output=fold_output))
     pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps,
                                       u_operand_dtype=u_operand_dtype, inverse=inverse))
     nc = pl.cdiv(seq_len, CHUNK)
@@ -648,13 +708,25 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
         )(lengths, offsets, k, g, beta)
     else:
         raise ValueError(f"unknown inverse {pp['inverse']!r}: expected 'parked' or 'blocks'")
-    w, u, qg, kg, aqk, dl = pl.pallas_call(
-        functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
-        out_shape=operands_shape, grid=(B, hv, nc), compiler_params=pwu, interpret=interpret,
-        name="gdn_prefill_wu",
-    )(lengths, offsets, q, k, v, g, beta, xinv)
+    separate, folded = ps["separate_output"], ps["fold_output"]
+    if folded:
+        if separate:
+            raise ValueError("fold_output and separate_output exclude each other")
+        udt = operands_shape[1].dtype
+        wq, u, au, kg, dl = pl.pallas_call(
+            functools.partial(_wu_folded_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
+            out_shape=(jax.ShapeDtypeStruct((B, hv, nc, 2 * CHUNK, dk), opdt), operands_shape[1],
+                       jax.ShapeDtypeStruct((B, hv, tp, dv), udt), operands_shape[3], operands_shape[5]),
+            grid=(B, hv, nc), compiler_params=pwu, interpret=interpret, name="gdn_prefill_wu_folded",
+        )(lengths, offsets, q, k, v, g, beta, xinv)
+        w, qg, aqk = wq, kg, au  # the walk's operand slots (qg's is unused when folded)
+    else:
+        w, u, qg, kg, aqk, dl = pl.pallas_call(
+            functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
+            out_shape=operands_shape, grid=(B, hv, nc), compiler_params=pwu, interpret=interpret,
+            name="gdn_prefill_wu",
+        )(lengths, offsets, q, k, v, g, beta, xinv)
     args = (lengths, offsets, w, u, qg, kg, aqk, dl) + ((initial_state,) if has_init else ())
-    separate = ps["separate_output"]
     if separate:  # the walk stores h [B, H_v, chunks, D_k, D_v] and v_new; o comes from _output_kernel
         out_shape = (jax.ShapeDtypeStruct((B, hv, nc, dk, dv), opdt), jax.ShapeDtypeStruct((B, hv, tp, dv), opdt),
                      out_shape[1])
@@ -662,7 +734,7 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     walk = pl.pallas_call(
         functools.partial(_state_kernel, dk=dk, bv=bv_, nc=nc, dot=dot, has_init=has_init,
                           static_loop=ps["static_loop"], separate_output=separate,
-                          span=seq_len if zero_filled else None),
+                          span=seq_len if zero_filled else None, folded=folded),
         out_shape=out_shape,
         grid=(B, hv, dv // bv_),
         compiler_params=plt.CompilerParams(num_warps=ps["num_warps"], num_stages=ps["num_stages"]),
