@@ -91,6 +91,8 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     # o's intra-chunk term folded into the walk's operands: 2 dots per chunk in the walk, not 4
                     "triton_fold": {"fold_output": True},
                     "triton_fold_bv64": {"fold_output": True, "bv": 64},
+                    "triton_fold_bv16": {"fold_output": True, "bv": 16},
+                    "triton_fold_s3": {"fold_output": True, "num_stages": 3},
                     "triton_fold_invblocks_w2": {"fold_output": True, "inverse": "blocks", "inv_num_warps": 2}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
