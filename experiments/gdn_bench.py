@@ -84,16 +84,8 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     "triton_osplit_ow8": {"separate_output": True, "out_num_warps": 8},
                     # u stored in fp32 (the default before 2026-12-05)
                     "triton_u_f32": {"u_operand_dtype": False},
-                    # (I + A)^-1 from A's 16 x 16 blocks in registers, stored in bf16 (no parked fp32 A)
-                    "triton_invblocks_w1": {"inverse": "blocks", "inv_num_warps": 1},
-                    "triton_invblocks_w2": {"inverse": "blocks", "inv_num_warps": 2},
-                    "triton_invblocks_w4": {"inverse": "blocks", "inv_num_warps": 4},
-                    # o's intra-chunk term folded into the walk's operands: 2 dots per chunk in the walk, not 4
-                    "triton_fold": {"fold_output": True},
-                    "triton_fold_bv64": {"fold_output": True, "bv": 64},
-                    "triton_fold_bv16": {"fold_output": True, "bv": 16},
-                    "triton_fold_s3": {"fold_output": True, "num_stages": 3},
-                    "triton_fold_invblocks_w2": {"fold_output": True, "inverse": "blocks", "inv_num_warps": 2}}
+                    # the operand launch in 16 warps: 92 registers (ptxas, sm_90a) against 159 in 8 warps
+                    "triton_wu16": {"wu_num_warps": 16}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}

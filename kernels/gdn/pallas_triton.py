@@ -22,9 +22,9 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
   per-sequence lengths, initial state in, final state out, q/k L2 norm fused; `gated_delta_packed_prefill_triton`
   the same for sequences packed end to end on one row axis (the kernels address every sequence by its first row, so
   a right-padded batch is the packed case with offsets b * T). Three launches:
-    1. `_inv_kernel`, parallel over (sequence, value head, chunk): A = strictly-lower(beta K K^T * decay) as one
-       [64, 64] dot, (I + A)^-1 by forward substitution of the four diagonal 16x16 blocks and block merges (the
-       blocking of FLA's `solve_tril`), fp32.
+    1. `_inv_kernel`, parallel over (sequence, value head, chunk): A = strictly-lower(beta K K^T * decay) as its
+       ten 16x16 blocks, (I + A)^-1 by forward substitution of the four diagonal blocks and block merges (the
+       blocking of FLA's `solve_tril`), fp32 in registers, stored in the dot operand dtype.
     2. `_wu_kernel`, same grid: the sequential pass's dot operands w = (I+A)^-1 (beta e^g k), u = (I+A)^-1 (beta v),
        q e^g, k e^(g_last - g), Aqk = tril(q k^T * decay) and the chunk decay e^g_last.
     3. `_state_kernel`, grid (sequence, value head, D_v slice): walks the chunks sequentially with the [D_k, bv]
@@ -73,27 +73,25 @@ TUNING = {
     "decode": {"grid": "split", "bv": 64, "num_warps": 4, "num_stages": 1, "conv_shift": "kernel"},
     "decode_split": {"bv": 64, "num_warps": 4, "num_stages": 1, "prep_num_warps": 2},
     "decode_split_v_major_bf16_state": {"bv": 128, "num_warps": 8},
-    # inverse in one warp: its forward substitution's reductions over 16 x 16 blocks stay within the warp (H200,
-    # 2026-12-02, results/prefill_gdn_2026-12-02/: one layer at B=8, T=384 0.320 ms against 0.377 with 4 warps and
-    # 0.328 with 2; T=1024: 0.755 against 0.914 at B=8, 0.141 against 0.155 at B=1)
+    # inverse: A's blocks from block dots, X in registers, stored in bf16 (`_inv_kernel`). H100, 2026-12-06
+    # (results/gdn_prefill_2026-12-06_h100/), its launch against the previous form (A as one [64, 64] dot parked in
+    # an fp32 buffer and read back, an fp32 inverse; commit 28d3a5a): 0.022 against 0.039 ms at 1 x 1024, 0.082
+    # against 0.102 at 1 x 4096, 0.145 against 0.183 at 8 x 1024, 0.528 against 0.653 at 8 x 4096. Warps by grid
+    # size: 2 below `inv_large_grid` programs (1 x 1024: 0.022 against 0.037 with 1 warp; equal at 1 x 4096, 2,048
+    # programs), 1 from there (8 x 1024: 0.145 against 0.159; 8 x 4096: 0.528 against 0.620). `inv_num_warps` set =
+    # that count everywhere.
     # u_operand_dtype: u = X (beta v) stored in the dot operand dtype (bf16), as FLA stores it, not fp32: the walk's
     # largest input at half the bytes. H100, 2026-12-06 (results/gdn_prefill_2026-12-05_h100/): 5-7% faster per
     # layer at every shape (1 x 4096: 0.428 against 0.458 ms), o rel. error 4.4e-3 against 4.0e-3.
-    # inverse: "parked" = `_inv_kernel` (A as one [64, 64] dot parked in the fp32 output, read back as blocks),
-    # "blocks" = `_inv_blocks_kernel` (A's blocks from block dots, X in registers, stored in the operand dtype).
-    # (A third form that also computed the operands in the same launch, by 16-row blocks, was 1.7-2x slower per
+    # (A form that also computed the operands in the inverse's launch, by 16-row blocks, was 1.7-2x slower per
     # layer at every shape and warp count on an H100 on 2026-12-06; its code is in commit 3b90dac.)
-    "prefill_prep": {"inv_num_warps": 1, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True,
-                     "inverse": "parked"},
+    "prefill_prep": {"inv_num_warps": None, "inv_num_warps_small_grid": 2, "inv_num_warps_large_grid": 1,
+                     "inv_large_grid": 2048, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True},
     # separate_output: the walk keeps only the S chain's two dots and stores h / v_new; a parallel launch per
     # chunk computes o (out_num_warps). 7-11% slower at every shape measured (H200, 2026-12-03, 1 x 4096: 0.465
     # against 0.433 ms; results/gdn_prefill_osplit_2026-12-03/), so it is off: an ablation switch
-    # fold_output: o's intra-chunk term folded into the walk's operands (`_wu_folded_kernel`): per chunk one
-    # [128, D_k] x [D_k, bv] dot gives w S and (qg - Aqk w) S, and o = that + Aqk u, so the walk runs 2 dots
-    # instead of 4 and never loads Aqk. Built 2026-12-06, not yet measured on a GPU: off.
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
-                      "num_stages": 2, "static_loop": True, "separate_output": False, "out_num_warps": 4,
-                      "fold_output": False},
+                      "num_stages": 2, "static_loop": True, "separate_output": False, "out_num_warps": 4},
     "prefill": {"dot": "bfloat16"},
 }
 CHUNK = 64     # rows per chunk (prefill)
@@ -395,53 +393,6 @@ def _masked_load(ref, mask, shape, dtype=f32):
     return plt.load(ref, mask=jnp.broadcast_to(mask, shape), other=0).astype(dtype)
 
 
-def _inv_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot, barrier):
-    """Per (sequence, value head, chunk): X = (I + A)^-1 with A = strictly-lower(beta K K^T * exp(gc_i - gc_j)).
-
-    A is one [64, 64] dot, parked in the output rows (fp32) and read back as 16x16 blocks; the diagonal blocks are
-    inverted by forward substitution, the others by block forward substitution X_ij = -X_ii sum_{m=j}^{i-1} A_im X_mj
-    (fp32, FLA solve_tril's blocking). Stored as a full [64, 64] block row (zeros above the diagonal blocks)."""
-    bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kh = h // rep
-    L = len_ref[bi]
-    t0 = c * CHUNK
-
-    @pl.when(t0 < L)  # chunks wholly past the sequence end are never read
-    def _():
-        cr = jnp.arange(CHUNK, dtype=jnp.int32)
-        valid = (t0 + cr) < L
-        rows = pl.ds(t0, CHUNK)
-        src = pl.ds(off_ref[bi] + t0, CHUNK)  # the chunk's input rows
-        k = _l2n(_masked_load(k_ref.at[src, kh, :], valid[:, None], (CHUNK, dk)))
-        be = _masked_load(beta_ref.at[src, h], valid, (CHUNK,))
-        gc = jnp.cumsum(_masked_load(g_ref.at[src, h], valid, (CHUNK,)))
-        sl = cr[:, None] > cr[None, :]
-        dg = jnp.where(sl, gc[:, None] - gc[None, :], 0.0)
-        x_ref[bi, h, rows, :] = jnp.where(sl, be[:, None] * _dot_nt(k, k, dot) * jnp.exp(dg), 0.0)
-        _invert_parked(x_ref, (bi, h), t0, barrier)
-
-
-def _invert_parked(x_ref, lead: tuple, row0, barrier: bool):
-    """x_ref[lead + (rows row0 .. row0 + 63, columns 0 .. 63)] holds a strictly-lower A (fp32); overwrites it with
-    (I + A)^-1: forward substitution of the four diagonal 16x16 blocks, block forward substitution X_ij = -X_ii
-    sum_{m=j}^{i-1} A_im X_mj for the others (fp32, FLA solve_tril's blocking), zeros above the diagonal blocks.
-    `barrier`: on the GPU, the threads that wrote A are not the ones that read its blocks back. (The ref and its
-    leading indices come separately: the Triton lowering takes one indexer per access.)"""
-    nb = CHUNK // SUB
-    at = lambda i, j: lead + (pl.ds(row0 + i * SUB, SUB), pl.ds(j * SUB, SUB))
-    blk = lambda i, j: x_ref[at(i, j)]
-    if barrier:
-        plt.debug_barrier()  # A written by all threads before any thread reads its blocks back
-    A = {(i, j): blk(i, j) for i in range(nb) for j in range(i + 1)}
-    if barrier:
-        plt.debug_barrier()  # every block read before X overwrites them
-    X = _invert_blocks(A, nb)
-    zero = jnp.zeros((SUB, SUB), f32)
-    for i in range(nb):
-        for j in range(nb):
-            x_ref[at(i, j)] = X[i, j] if j <= i else zero
-
-
 def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
                w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *, rep, dk, dv, scale, dot):
     """Per (sequence, value head, chunk), everything the sequential pass needs as ready-made dot operands:
@@ -479,52 +430,13 @@ def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
         dl_ref[bi, h, c] = jnp.ones((), f32)
 
 
-def _wu_folded_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
-                      wq_ref, u_ref, au_ref, kg_ref, dl_ref, *, rep, dk, dv, scale, dot):
-    """`_wu_kernel` with the chunk's intra-chunk output folded into the walk's operands. Since v_new = u - w S,
-    o = qg S + Aqk v_new = (qg - Aqk w) S + Aqk u: per chunk, wq [2 * 64, D_k] holds w (rows 0..63) above
-    qw = qg - Aqk w (rows 64..127), so the walk gets w S and qw S from one [128, D_k] x [D_k, bv] dot, and
-    au = Aqk u is o's other term; Aqk itself never leaves the program. w and u are rounded to their stored dtypes
-    before Aqk multiplies them, as the walk sees them."""
-    bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kh = h // rep
-    L = len_ref[bi]
-    t0 = c * CHUNK
+def _inv_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot):
+    """Per (sequence, value head, chunk): X = (I + A)^-1 with A = strictly-lower(beta K K^T * exp(gc_i - gc_j)).
 
-    @pl.when(t0 < L)
-    def _():
-        cr = jnp.arange(CHUNK, dtype=jnp.int32)
-        valid = (t0 + cr) < L
-        rows = pl.ds(t0, CHUNK)
-        src = pl.ds(off_ref[bi] + t0, CHUNK)
-        q = _l2n(_masked_load(q_ref.at[src, kh, :], valid[:, None], (CHUNK, dk))) * scale
-        k = _l2n(_masked_load(k_ref.at[src, kh, :], valid[:, None], (CHUNK, dk)))
-        v = _masked_load(v_ref.at[src, h, :], valid[:, None], (CHUNK, dv))
-        be = _masked_load(beta_ref.at[src, h], valid, (CHUNK,))
-        gc = jnp.cumsum(_masked_load(g_ref.at[src, h], valid, (CHUNK,)))
-        gl = jnp.sum(jnp.where(cr == CHUNK - 1, gc, 0.0))
-        X = x_ref[bi, h, rows, :]
-        w = _dot(X, k * (be * jnp.exp(gc))[:, None], dot).astype(wq_ref.dtype)
-        u = _dot(X, v * be[:, None], dot).astype(u_ref.dtype)
-        tri = cr[:, None] >= cr[None, :]
-        dg = jnp.where(tri, gc[:, None] - gc[None, :], 0.0)
-        aqk = jnp.where(tri, _dot_nt(q, k, dot) * jnp.exp(dg), 0.0)
-        wq_ref[bi, h, c, pl.ds(0, CHUNK), :] = w
-        wq_ref[bi, h, c, pl.ds(CHUNK, CHUNK), :] = (q * jnp.exp(gc)[:, None] - _dot(aqk, w, dot)).astype(wq_ref.dtype)
-        u_ref[bi, h, rows, :] = u
-        au_ref[bi, h, rows, :] = _dot(aqk, u, dot).astype(au_ref.dtype)
-        kg_ref[bi, h, rows, :] = (k * jnp.exp(gl - gc)[:, None]).astype(kg_ref.dtype)
-        dl_ref[bi, h, c] = jnp.exp(gl)
-
-    @pl.when(t0 >= L)
-    def _():
-        dl_ref[bi, h, c] = jnp.ones((), f32)
-
-
-def _inv_blocks_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot):
-    """`_inv_kernel` without parking A: its ten [16, 16] blocks come straight from block dots of k's 16-row
-    blocks, so A and (I + A)^-1 stay in registers, and X is stored once in x_ref's dtype (the dot operand dtype:
-    `_wu_kernel` rounds X to it anyway). The layout of FLA's fused kkt + solve_tril kernel (chunk_fwd.py)."""
+    A's ten [16, 16] blocks on and below the diagonal come from block dots of k's 16-row blocks, so A and X stay in
+    registers; X (fp32 math, FLA solve_tril's blocking) is stored once, in x_ref's dtype (the dot operand dtype:
+    `_wu_kernel` rounds X to it anyway), zeros above the diagonal blocks. The layout of FLA's fused kkt +
+    solve_tril kernel (chunk_fwd.py)."""
     bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // rep
     L = len_ref[bi]
@@ -568,13 +480,11 @@ def _dot_nt(a, b, mode):
 
 
 def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *rest, dk, bv, nc, dot, has_init,
-                  static_loop, separate_output, span, folded):
+                  static_loop, separate_output, span):
     """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers:
     v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new. Writes o on the sequence's rows only, or with
     `span` (static; needs static_loop) on its first `span` rows: the rows past its length come out 0 (their operands
     load as 0), so a right-padded batch needs no masking pass after the kernel.
-    folded: w_ref holds `_wu_folded_kernel`'s wq and aqk_ref its au (qg_ref is unused): one dot wq S gives w S and
-    qw S, and o = qw S + au.
     separate_output: o is left to `_output_kernel`; the walk stores each chunk's entering state S (h) and v_new
     instead (in the dot operand dtype, which is what the o dots would round them to), so only the two dots of the
     S chain stay in the sequential loop (FLA's chunk_fwd_h / chunk_fwd_o split)."""
@@ -603,21 +513,10 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
         else:
             ld = lambda ref, n, dt: ref[...].astype(dt)
         opdt = _DOT_DTYPE[dot]
+        w = ld(w_ref.at[bi, h, rows, :], dk, opdt)
         kg = ld(kg_ref.at[bi, h, rows, :], dk, opdt)
         u = ld(u_ref.at[bi, h, rows, cols], bv, f32)
         dl = dl_ref[bi, h, c]
-        if folded:
-            if static_loop:
-                wq = _masked_load(w_ref.at[bi, h, c], jnp.broadcast_to(t0 < L, (2 * CHUNK, 1)), (2 * CHUNK, dk), opdt)
-            else:
-                wq = w_ref[bi, h, c].astype(opdt)
-            ws, qs = jnp.split(_dot(wq, S, dot), 2, axis=0)
-            v_new = u - ws
-            o = qs + ld(aqk_ref.at[bi, h, rows, cols], bv, f32)
-            plt.store(o_ref.at[pl.ds(off + t0, CHUNK), h, cols], o,
-                      mask=jnp.broadcast_to(((t0 + cr) < (L if span is None else span))[:, None], (CHUNK, bv)))
-            return dl * S + _dot(kg, v_new, dot, trans_a=True)
-        w = ld(w_ref.at[bi, h, rows, :], dk, opdt)
         v_new = u - _dot(w, S, dot)
         if separate_output:
             h_ref[bi, h, c, :, cols] = S.astype(h_ref.dtype)
@@ -655,7 +554,7 @@ def _output_kernel(len_ref, off_ref, qg_ref, aqk_ref, h_ref, vn_ref, o_ref, *, d
 def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool = False, *,
                    dot=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
                    inv_num_warps=None, wu_num_warps=None, separate_output=None, out_num_warps=None,
-                   u_operand_dtype=None, inverse=None, fold_output=None, padded=False):
+                   u_operand_dtype=None, padded=False):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
     offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches, four with separate_output.
     Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v] fp32; zero_filled).
@@ -674,10 +573,9 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     has_init = initial_state is not None
     out_shape = (jax.ShapeDtypeStruct((N, hv, dv), f32), jax.ShapeDtypeStruct((B, hv, dk, dv), f32))
     ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages,
-                                       separate_output=separate_output, out_num_warps=out_num_warps,
-                                       fold_output=fold_output))
+                                       separate_output=separate_output, out_num_warps=out_num_warps))
     pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps,
-                                      u_operand_dtype=u_operand_dtype, inverse=inverse))
+                                      u_operand_dtype=u_operand_dtype))
     nc = pl.cdiv(seq_len, CHUNK)
     tp = nc * CHUNK
     bv_ = ps["bv"]
@@ -686,7 +584,11 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     bv_ = min(bv_, dv)
     assert dv % bv_ == 0
     opdt = _DOT_DTYPE[dot]  # everything the state pass reads as a dot operand is stored in the operand dtype
-    pinv = plt.CompilerParams(num_warps=pp["inv_num_warps"], num_stages=pp["num_stages"])
+    inv_warps = pp["inv_num_warps"]
+    if inv_warps is None:  # small grids: more warps per chunk; large ones: more chunks per SM
+        large = B * hv * nc >= pp["inv_large_grid"]
+        inv_warps = pp["inv_num_warps_large_grid"] if large else pp["inv_num_warps_small_grid"]
+    pinv = plt.CompilerParams(num_warps=inv_warps, num_stages=pp["num_stages"])
     pwu = plt.CompilerParams(num_warps=pp["wu_num_warps"], num_stages=pp["num_stages"])
     operands_shape = (jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
                       jax.ShapeDtypeStruct((B, hv, tp, dv), opdt if pp["u_operand_dtype"] else f32),
@@ -694,39 +596,18 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
                       jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
                       jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
                       jax.ShapeDtypeStruct((B, hv, nc), f32))
-    if pp["inverse"] == "blocks":
-        xinv = pl.pallas_call(
-            functools.partial(_inv_blocks_kernel, rep=rep, dk=dk, dot=dot),
-            out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
-            grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse_blocks",
-        )(lengths, offsets, k, g, beta)
-    elif pp["inverse"] == "parked":
-        xinv = pl.pallas_call(
-            functools.partial(_inv_kernel, rep=rep, dk=dk, dot=dot, barrier=not interpret),
-            out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), f32),
-            grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse",
-        )(lengths, offsets, k, g, beta)
-    else:
-        raise ValueError(f"unknown inverse {pp['inverse']!r}: expected 'parked' or 'blocks'")
-    separate, folded = ps["separate_output"], ps["fold_output"]
-    if folded:
-        if separate:
-            raise ValueError("fold_output and separate_output exclude each other")
-        udt = operands_shape[1].dtype
-        wq, u, au, kg, dl = pl.pallas_call(
-            functools.partial(_wu_folded_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
-            out_shape=(jax.ShapeDtypeStruct((B, hv, nc, 2 * CHUNK, dk), opdt), operands_shape[1],
-                       jax.ShapeDtypeStruct((B, hv, tp, dv), udt), operands_shape[3], operands_shape[5]),
-            grid=(B, hv, nc), compiler_params=pwu, interpret=interpret, name="gdn_prefill_wu_folded",
-        )(lengths, offsets, q, k, v, g, beta, xinv)
-        w, qg, aqk = wq, kg, au  # the walk's operand slots (qg's is unused when folded)
-    else:
-        w, u, qg, kg, aqk, dl = pl.pallas_call(
-            functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
-            out_shape=operands_shape, grid=(B, hv, nc), compiler_params=pwu, interpret=interpret,
-            name="gdn_prefill_wu",
-        )(lengths, offsets, q, k, v, g, beta, xinv)
+    xinv = pl.pallas_call(
+        functools.partial(_inv_kernel, rep=rep, dk=dk, dot=dot),
+        out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
+        grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse",
+    )(lengths, offsets, k, g, beta)
+    w, u, qg, kg, aqk, dl = pl.pallas_call(
+        functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
+        out_shape=operands_shape, grid=(B, hv, nc), compiler_params=pwu, interpret=interpret,
+        name="gdn_prefill_wu",
+    )(lengths, offsets, q, k, v, g, beta, xinv)
     args = (lengths, offsets, w, u, qg, kg, aqk, dl) + ((initial_state,) if has_init else ())
+    separate = ps["separate_output"]
     if separate:  # the walk stores h [B, H_v, chunks, D_k, D_v] and v_new; o comes from _output_kernel
         out_shape = (jax.ShapeDtypeStruct((B, hv, nc, dk, dv), opdt), jax.ShapeDtypeStruct((B, hv, tp, dv), opdt),
                      out_shape[1])
@@ -734,7 +615,7 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     walk = pl.pallas_call(
         functools.partial(_state_kernel, dk=dk, bv=bv_, nc=nc, dot=dot, has_init=has_init,
                           static_loop=ps["static_loop"], separate_output=separate,
-                          span=seq_len if zero_filled else None, folded=folded),
+                          span=seq_len if zero_filled else None),
         out_shape=out_shape,
         grid=(B, hv, dv // bv_),
         compiler_params=plt.CompilerParams(num_warps=ps["num_warps"], num_stages=ps["num_stages"]),
