@@ -85,7 +85,10 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     # u stored in fp32 (the default before 2026-12-05)
                     "triton_u_f32": {"u_operand_dtype": False},
                     # the operand launch in 16 warps: 92 registers (ptxas, sm_90a) against 159 in 8 warps
-                    "triton_wu16": {"wu_num_warps": 16}}
+                    "triton_wu16": {"wu_num_warps": 16},
+                    # q and k stored once per key head, their row decays applied in the walk
+                    "triton_khqk": {"key_head_qk": True},
+                    "triton_khqk_wu16": {"key_head_qk": True, "wu_num_warps": 16}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}

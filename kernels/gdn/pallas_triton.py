@@ -85,8 +85,12 @@ TUNING = {
     # layer at every shape (1 x 4096: 0.428 against 0.458 ms), o rel. error 4.4e-3 against 4.0e-3.
     # (A form that also computed the operands in the inverse's launch, by 16-row blocks, was 1.7-2x slower per
     # layer at every shape and warp count on an H100 on 2026-12-06; its code is in commit 3b90dac.)
+    # key_head_qk: the operand launch stores the normalised q and k once per key head and the row decays e^gc,
+    # e^(gl - gc) are applied in the walk, instead of qg and kg per value head: 24 of the launch's ~128 KB per
+    # (value head, chunk) fewer. Built 2026-12-06, not yet measured: off.
     "prefill_prep": {"inv_num_warps": None, "inv_num_warps_small_grid": 2, "inv_num_warps_large_grid": 1,
-                     "inv_large_grid": 2048, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True},
+                     "inv_large_grid": 2048, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True,
+                     "key_head_qk": False},
     # separate_output: the walk keeps only the S chain's two dots and stores h / v_new; a parallel launch per
     # chunk computes o (out_num_warps). 7-11% slower at every shape measured (H200, 2026-12-03, 1 x 4096: 0.465
     # against 0.433 ms; results/gdn_prefill_osplit_2026-12-03/), so it is off: an ablation switch
@@ -394,10 +398,13 @@ def _masked_load(ref, mask, shape, dtype=f32):
 
 
 def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
-               w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *, rep, dk, dv, scale, dot):
+               w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *decay_refs, rep, dk, dv, scale, dot, key_head_qk):
     """Per (sequence, value head, chunk), everything the sequential pass needs as ready-made dot operands:
     w = X (beta e^gc k), u = X (beta v), qg = q e^gc (scaled), kg = k e^(gl - gc), Aqk = tril(q k^T e^(gc_i-gc_j)),
-    dl = e^gl (gl = the chunk's total log decay; 1 for chunks past the end)."""
+    dl = e^gl (gl = the chunk's total log decay; 1 for chunks past the end).
+    key_head_qk: qg_ref / kg_ref are [B, H_k, T, D_k] and get the normalised (scaled) q and k once per key head
+    (from its first value head's program), and decay_refs = (gc_ref, gr_ref) [B, H_v, T] the row decays gc and
+    gl - gc: the walk applies them, so q and k cross HBM once per key head, not per value head."""
     bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // rep
     L = len_ref[bi]
@@ -418,8 +425,18 @@ def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
         X = x_ref[bi, h, rows, :]
         w_ref[bi, h, rows, :] = _dot(X, k * (be * jnp.exp(gc))[:, None], dot).astype(w_ref.dtype)
         u_ref[bi, h, rows, :] = _dot(X, v * be[:, None], dot).astype(u_ref.dtype)
-        qg_ref[bi, h, rows, :] = (q * jnp.exp(gc)[:, None]).astype(qg_ref.dtype)
-        kg_ref[bi, h, rows, :] = (k * jnp.exp(gl - gc)[:, None]).astype(kg_ref.dtype)
+        if key_head_qk:
+            gc_ref, gr_ref = decay_refs
+            gc_ref[bi, h, rows] = gc
+            gr_ref[bi, h, rows] = gl - gc
+
+            @pl.when(h % rep == 0)
+            def _():
+                qg_ref[bi, kh, rows, :] = q.astype(qg_ref.dtype)
+                kg_ref[bi, kh, rows, :] = k.astype(kg_ref.dtype)
+        else:
+            qg_ref[bi, h, rows, :] = (q * jnp.exp(gc)[:, None]).astype(qg_ref.dtype)
+            kg_ref[bi, h, rows, :] = (k * jnp.exp(gl - gc)[:, None]).astype(kg_ref.dtype)
         tri = cr[:, None] >= cr[None, :]
         dg = jnp.where(tri, gc[:, None] - gc[None, :], 0.0)
         aqk_ref[bi, h, rows, :] = jnp.where(tri, _dot_nt(q, k, dot) * jnp.exp(dg), 0.0).astype(aqk_ref.dtype)
@@ -480,14 +497,18 @@ def _dot_nt(a, b, mode):
 
 
 def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *rest, dk, bv, nc, dot, has_init,
-                  static_loop, separate_output, span):
+                  static_loop, separate_output, span, rep, key_head_qk):
     """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers:
     v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new. Writes o on the sequence's rows only, or with
     `span` (static; needs static_loop) on its first `span` rows: the rows past its length come out 0 (their operands
     load as 0), so a right-padded batch needs no masking pass after the kernel.
     separate_output: o is left to `_output_kernel`; the walk stores each chunk's entering state S (h) and v_new
     instead (in the dot operand dtype, which is what the o dots would round them to), so only the two dots of the
-    S chain stay in the sequential loop (FLA's chunk_fwd_h / chunk_fwd_o split)."""
+    S chain stay in the sequential loop (FLA's chunk_fwd_h / chunk_fwd_o split).
+    key_head_qk: qg_ref / kg_ref hold the key head's q and k, and the walk scales them by e^gc / e^(gl - gc) from
+    the two row-decay inputs that follow dl_ref (see `_wu_kernel`)."""
+    if key_head_qk:
+        gc_ref, gr_ref, *rest = rest
     if has_init:
         s0_ref, *rest = rest
     if separate_output:
@@ -514,7 +535,15 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
             ld = lambda ref, n, dt: ref[...].astype(dt)
         opdt = _DOT_DTYPE[dot]
         w = ld(w_ref.at[bi, h, rows, :], dk, opdt)
-        kg = ld(kg_ref.at[bi, h, rows, :], dk, opdt)
+        if key_head_qk:  # the key head's q and k; the row decays scale the dots' [64, bv] sides instead
+            kh = h // rep
+            if static_loop:  # dead chunks: q = k = 0 and decays e^0
+                row_exp = lambda ref: jnp.exp(_masked_load(ref.at[bi, h, rows], t0 < L, (CHUNK,)))[:, None]
+            else:
+                row_exp = lambda ref: jnp.exp(ref[bi, h, rows])[:, None]
+            kg = ld(kg_ref.at[bi, kh, rows, :], dk, opdt)
+        else:
+            kg = ld(kg_ref.at[bi, h, rows, :], dk, opdt)
         u = ld(u_ref.at[bi, h, rows, cols], bv, f32)
         dl = dl_ref[bi, h, c]
         v_new = u - _dot(w, S, dot)
@@ -522,13 +551,16 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
             h_ref[bi, h, c, :, cols] = S.astype(h_ref.dtype)
             vn_ref[bi, h, rows, cols] = v_new.astype(vn_ref.dtype)
         else:
-            qg = ld(qg_ref.at[bi, h, rows, :], dk, opdt)
             aqk = ld(aqk_ref.at[bi, h, rows, :], CHUNK, opdt)
-            o = _dot(qg, S, dot) + _dot(aqk, v_new, dot)
+            if key_head_qk:  # (q e^gc) S = e^gc (q S)
+                o = row_exp(gc_ref) * _dot(ld(qg_ref.at[bi, kh, rows, :], dk, opdt), S, dot)
+            else:
+                o = _dot(ld(qg_ref.at[bi, h, rows, :], dk, opdt), S, dot)
+            o = o + _dot(aqk, v_new, dot)
             plt.store(o_ref.at[pl.ds(off + t0, CHUNK), h, cols], o,
                       mask=jnp.broadcast_to(((t0 + cr) < (L if span is None else span))[:, None], (CHUNK, bv)))
-        S = dl * S + _dot(kg, v_new, dot, trans_a=True)
-        return S
+        # (k e^(gl - gc))^T v_new = k^T (e^(gl - gc) v_new)
+        return dl * S + _dot(kg, row_exp(gr_ref) * v_new if key_head_qk else v_new, dot, trans_a=True)
 
     # static: a fixed trip count (scf.for: Triton can software-pipeline the loads); else only the live chunks
     S = jax.lax.fori_loop(0, nc if static_loop else (L + CHUNK - 1) // CHUNK, body, S)
@@ -554,7 +586,7 @@ def _output_kernel(len_ref, off_ref, qg_ref, aqk_ref, h_ref, vn_ref, o_ref, *, d
 def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool = False, *,
                    dot=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
                    inv_num_warps=None, wu_num_warps=None, separate_output=None, out_num_warps=None,
-                   u_operand_dtype=None, padded=False):
+                   u_operand_dtype=None, key_head_qk=None, padded=False):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
     offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches, four with separate_output.
     Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v] fp32; zero_filled).
@@ -575,7 +607,7 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages,
                                        separate_output=separate_output, out_num_warps=out_num_warps))
     pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps,
-                                      u_operand_dtype=u_operand_dtype))
+                                      u_operand_dtype=u_operand_dtype, key_head_qk=key_head_qk))
     nc = pl.cdiv(seq_len, CHUNK)
     tp = nc * CHUNK
     bv_ = ps["bv"]
@@ -601,13 +633,19 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
         out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
         grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse",
     )(lengths, offsets, k, g, beta)
-    w, u, qg, kg, aqk, dl = pl.pallas_call(
-        functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
+    separate, khqk = ps["separate_output"], pp["key_head_qk"]
+    if khqk:
+        if separate:
+            raise ValueError("key_head_qk and separate_output exclude each other")
+        qk = jax.ShapeDtypeStruct((B, hk, tp, dk), opdt)
+        rowdecay = jax.ShapeDtypeStruct((B, hv, tp), f32)
+        operands_shape = operands_shape[:2] + (qk, qk) + operands_shape[4:] + (rowdecay, rowdecay)
+    w, u, qg, kg, aqk, dl, *decays = pl.pallas_call(
+        functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot, key_head_qk=khqk),
         out_shape=operands_shape, grid=(B, hv, nc), compiler_params=pwu, interpret=interpret,
         name="gdn_prefill_wu",
     )(lengths, offsets, q, k, v, g, beta, xinv)
-    args = (lengths, offsets, w, u, qg, kg, aqk, dl) + ((initial_state,) if has_init else ())
-    separate = ps["separate_output"]
+    args = (lengths, offsets, w, u, qg, kg, aqk, dl, *decays) + ((initial_state,) if has_init else ())
     if separate:  # the walk stores h [B, H_v, chunks, D_k, D_v] and v_new; o comes from _output_kernel
         out_shape = (jax.ShapeDtypeStruct((B, hv, nc, dk, dv), opdt), jax.ShapeDtypeStruct((B, hv, tp, dv), opdt),
                      out_shape[1])
@@ -615,7 +653,7 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     walk = pl.pallas_call(
         functools.partial(_state_kernel, dk=dk, bv=bv_, nc=nc, dot=dot, has_init=has_init,
                           static_loop=ps["static_loop"], separate_output=separate,
-                          span=seq_len if zero_filled else None),
+                          span=seq_len if zero_filled else None, rep=rep, key_head_qk=khqk),
         out_shape=out_shape,
         grid=(B, hv, dv // bv_),
         compiler_params=plt.CompilerParams(num_warps=ps["num_warps"], num_stages=ps["num_stages"]),
