@@ -298,7 +298,8 @@ def phase_prefill(jax, jnp, np, args):
     if args.prefill_shapes:
         shapes = variant_shapes = [tuple(int(n) for n in s_.split("x")) for s_ in args.prefill_shapes.split(",")]
     plan = [(B, T, "triton", {}) for B, T in shapes]
-    plan += [(B, T, "reference", None) for B, T in shapes if (B, T) in ((1, 1024), (1, 4096), (8, 1024))]
+    if not args.no_reference:
+        plan += [(B, T, "reference", None) for B, T in shapes if (B, T) in ((1, 1024), (1, 4096), (8, 1024))]
     plan += [(B, T, n_, v_) for B, T in variant_shapes for n_, v_ in PREFILL_VARIANTS.items()
              if n_ != "triton" and (B, T) in shapes]
     inputs = {}
@@ -691,6 +692,8 @@ def main():
                     help="comma-separated names of DECODE_VARIANTS to check and time (default: all)")
     ap.add_argument("--prefill-variants", default=None,
                     help="comma-separated names of PREFILL_VARIANTS to check and time (default: all)")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="prefill: skip the jnp reference rows (a variant A/B on little device time)")
     ap.add_argument("--prefill-shapes", default=None,
                     help="comma-separated BxT prefill shapes (e.g. 8x384,1x4096); every variant runs at each")
     ap.add_argument("--budget", type=float, default=240.0, help="seconds after which long phases stop early")
