@@ -535,15 +535,12 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
             ld = lambda ref, n, dt: ref[...].astype(dt)
         opdt = _DOT_DTYPE[dot]
         w = ld(w_ref.at[bi, h, rows, :], dk, opdt)
-        if key_head_qk:  # the key head's q and k; the row decays scale the dots' [64, bv] sides instead
-            kh = h // rep
-            if static_loop:  # dead chunks: q = k = 0 and decays e^0
-                row_exp = lambda ref: jnp.exp(_masked_load(ref.at[bi, h, rows], t0 < L, (CHUNK,)))[:, None]
-            else:
-                row_exp = lambda ref: jnp.exp(ref[bi, h, rows])[:, None]
-            kg = ld(kg_ref.at[bi, kh, rows, :], dk, opdt)
+        qk_head = h // rep if key_head_qk else h  # key_head_qk: the key head's q and k, without their row decays
+        if static_loop:  # dead chunks: q = k = 0 and decays e^0
+            row_exp = lambda ref: jnp.exp(_masked_load(ref.at[bi, h, rows], t0 < L, (CHUNK,)))[:, None]
         else:
-            kg = ld(kg_ref.at[bi, h, rows, :], dk, opdt)
+            row_exp = lambda ref: jnp.exp(ref[bi, h, rows])[:, None]
+        kg = ld(kg_ref.at[bi, qk_head, rows, :], dk, opdt)
         u = ld(u_ref.at[bi, h, rows, cols], bv, f32)
         dl = dl_ref[bi, h, c]
         v_new = u - _dot(w, S, dot)
@@ -552,10 +549,9 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
             vn_ref[bi, h, rows, cols] = v_new.astype(vn_ref.dtype)
         else:
             aqk = ld(aqk_ref.at[bi, h, rows, :], CHUNK, opdt)
+            o = _dot(ld(qg_ref.at[bi, qk_head, rows, :], dk, opdt), S, dot)
             if key_head_qk:  # (q e^gc) S = e^gc (q S)
-                o = row_exp(gc_ref) * _dot(ld(qg_ref.at[bi, kh, rows, :], dk, opdt), S, dot)
-            else:
-                o = _dot(ld(qg_ref.at[bi, h, rows, :], dk, opdt), S, dot)
+                o = row_exp(gc_ref) * o
             o = o + _dot(aqk, v_new, dot)
             plt.store(o_ref.at[pl.ds(off + t0, CHUNK), h, cols], o,
                       mask=jnp.broadcast_to(((t0 + cr) < (L if span is None else span))[:, None], (CHUNK, bv)))
