@@ -344,6 +344,14 @@ def phase_profile(jax, jnp, np, args):
     shapes = [tuple(int(n) for n in s_.split("x")) for s_ in (args.prefill_shapes or "1x1024,1x4096,8x1024").split(",")]
     rows = R.setdefault("profile", [])
     n = 5
+
+    def add_row(B, T, impl, per):  # per: {kernel name: ms per call}; the 16 largest are kept
+        row = dict(B=B, T=T, impl=impl, total_ms=round(sum(per.values()), 4),
+                   kernels_ms={k_: round(v_, 4) for k_, v_ in sorted(per.items(), key=lambda kv: -kv[1])[:16]})
+        rows.append(row)
+        save(args.out)
+        log("profile", row)
+
     # every JAX trace first: once torch's profiler has run, JAX's trace gets no GPU events in this process
     for B, T in shapes:
         q, k, v, g, beta, s0 = prefill_inputs(jax, jnp, B, T)
@@ -359,12 +367,7 @@ def phase_profile(jax, jnp, np, args):
                 per = defaultdict(float)
                 for e in gpu_kernel_events(d):
                     per[e["name"][:60]] += e["dur"] / 1e3 / n
-                row = dict(B=B, T=T, impl=name, kernels_ms={k_: round(v_, 4) for k_, v_ in
-                                                            sorted(per.items(), key=lambda kv: -kv[1])[:16]},
-                           total_ms=round(sum(per.values()), 4))
-                rows.append(row)
-                save(args.out)
-                log("profile", row)
+                add_row(B, T, name, per)
             guard(R["errors"], f"profile {B}x{T} {name}", run)
     for B, T in ([] if args.cpu_smoke else shapes):
         q, k, v, g, beta, s0 = prefill_inputs(jax, jnp, B, T)
@@ -389,12 +392,7 @@ def phase_profile(jax, jnp, np, args):
                 dt = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
                 if dt and e.key and not e.key.startswith("ProfilerStep"):
                     per[e.key[:60]] += dt / 1e3 / n
-            row = dict(B=B, T=T, impl="fla_chunk", kernels_ms={k_: round(v_, 4) for k_, v_ in
-                                                              sorted(per.items(), key=lambda kv: -kv[1])[:16]},
-                       total_ms=round(sum(per.values()), 4))
-            rows.append(row)
-            save(args.out)
-            log("profile", row)
+            add_row(B, T, "fla_chunk", per)
         guard(R["errors"], f"profile {B}x{T} fla", run_fla)
 
 
