@@ -76,19 +76,10 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     # warp they need no shared-memory round trip
                     "triton_inv1": {"inv_num_warps": 1}, "triton_inv2": {"inv_num_warps": 2},
                     "triton_wu4": {"wu_num_warps": 4}, "triton_bv16": {"bv": 16},
-                    # o out of the sequential walk (h and v_new stored, a parallel output launch)
-                    "triton_osplit": {"separate_output": True},
-                    "triton_osplit_bv16": {"separate_output": True, "bv": 16},
-                    "triton_osplit_bv64": {"separate_output": True, "bv": 64},
-                    "triton_osplit_w2": {"separate_output": True, "num_warps": 2},
-                    "triton_osplit_ow8": {"separate_output": True, "out_num_warps": 8},
                     # u stored in fp32 (the default before 2026-12-05)
                     "triton_u_f32": {"u_operand_dtype": False},
                     # the operand launch in 16 warps: 92 registers (ptxas, sm_90a) against 159 in 8 warps
-                    "triton_wu16": {"wu_num_warps": 16},
-                    # q and k stored once per key head, their row decays applied in the walk
-                    "triton_khqk": {"key_head_qk": True},
-                    "triton_khqk_wu16": {"key_head_qk": True, "wu_num_warps": 16}}
+                    "triton_wu16": {"wu_num_warps": 16}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}

@@ -21,8 +21,6 @@ one warm-up call, a new batch of prompts each call. Variants:
   packed_argsort_order  packed, with the MoE's expert order from a stable argsort, not the cumsum counting sort
             (kernels/moe/routing.py LARGE_ORDER)
   packed_fp32_qkv  packed, with the GDN conv's q / k / v in fp32 (drama3_jax/backbone.py GDN_CONV_OUT_IN_MODEL_DTYPE)
-  packed_gdn_osplit  packed, with the GDN prefill's output computed by its own launch after the state walk
-            (kernels/gdn TUNING["prefill_state"]["separate_output"], patched while the call is traced)
 The roofline of a call is the larger of (every weight read once) / 4.2 TB/s and (2 x active parameters x valid
 rows) / 780 TFLOP/s; attention and the GDN recurrence are not counted. With --profile-calls N > 0, N more calls
 run under the profiler: GPU kernel time per call by category (the decode profile's name scopes:
@@ -71,12 +69,12 @@ def variants(cfg) -> dict[str, Backends]:
 
 # variants that are another variant with module tables patched while traced: name -> (base, experiments.common.patched
 # patches)
-PATCHES = {"packed_gdn_osplit": ("packed", [("kernels.gdn.pallas_triton", "TUNING", "prefill_state",
-                                              {"separate_output": True})]),
-           # the experts' pair order by a stable argsort instead of the cumsum counting sort (kernels/moe/routing.py)
-           "packed_argsort_order": ("packed", [("kernels.moe.routing", "LARGE_ORDER", None, "argsort")]),
-           # the GDN conv output (q, k, v) kept in fp32 (before drama3_jax/backbone.py GDN_CONV_OUT_IN_MODEL_DTYPE)
-           "packed_fp32_qkv": ("packed", [("drama3_jax.backbone", "GDN_CONV_OUT_IN_MODEL_DTYPE", None, False)])}
+PATCHES = {
+    # the experts' pair order by a stable argsort instead of the cumsum counting sort (kernels/moe/routing.py)
+    "packed_argsort_order": ("packed", [("kernels.moe.routing", "LARGE_ORDER", None, "argsort")]),
+    # the GDN conv output (q, k, v) kept in fp32 (before drama3_jax/backbone.py GDN_CONV_OUT_IN_MODEL_DTYPE)
+    "packed_fp32_qkv": ("packed", [("drama3_jax.backbone", "GDN_CONV_OUT_IN_MODEL_DTYPE", None, False)]),
+}
 
 
 def packed_call(lengths: np.ndarray, start: int, batch: int, max_rows: int, max_lanes: int) -> np.ndarray:

@@ -185,6 +185,8 @@ def main(argv=None):
     ap.add_argument("--phases", default="time", help="comma list of: time, profile")
     ap.add_argument("--profile-streams", default="128")
     ap.add_argument("--profile-steps", type=int, default=20)
+    ap.add_argument("--profile-variants", default=None,
+                    help="comma-separated names of PROFILE_VARIANTS to profile (default: all)")
     args = ap.parse_args(argv)
     phases = set(args.phases.split(","))
     os.makedirs(args.out, exist_ok=True)
@@ -350,6 +352,9 @@ def profile_phase(jax, jnp, np, args, ex, smoke_kw, left):
 
     streams = [2] if args.cpu_smoke else [int(b) for b in args.profile_streams.split(",")]
     variants = PROFILE_VARIANTS[:3] if args.cpu_smoke else PROFILE_VARIANTS
+    if args.profile_variants:
+        keep = args.profile_variants.split(",")
+        variants = [v for v in PROFILE_VARIANTS if v[0] in keep]
     n = 2 if args.cpu_smoke else args.profile_steps
     todo = []
     for B in streams:

@@ -26,14 +26,17 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
        ten 16x16 blocks, (I + A)^-1 by forward substitution of the four diagonal blocks and block merges (the
        blocking of FLA's `solve_tril`), fp32 in registers, stored in the dot operand dtype.
     2. `_wu_kernel`, same grid: the sequential pass's dot operands w = (I+A)^-1 (beta e^g k), u = (I+A)^-1 (beta v),
-       q e^g, k e^(g_last - g), Aqk = tril(q k^T * decay) and the chunk decay e^g_last.
+       Aqk = tril(q k^T * decay), the chunk decay e^g_last and the row decays g, g_last - g; the normalised q and k
+       once per key head (the value heads sharing it apply their own decays in the walk).
     3. `_state_kernel`, grid (sequence, value head, D_v slice): walks the chunks sequentially with the [D_k, bv]
        state slice held in registers (never round-tripping HBM between chunks):
-       v_new = u - w S;  o = (q e^g) S + Aqk v_new;  S <- e^{g_last} S + (k e^{g_last - g})^T v_new.
+       v_new = u - w S;  o = e^g (q S) + Aqk v_new;  S <- e^{g_last} S + k^T (e^{g_last - g} v_new).
   Algorithm as in FLA `chunk_gated_delta_rule` (chunk_scaled_dot_kkt + solve_tril + recompute_w_u, then
   chunk_delta_h fused with chunk_o so the per-chunk states are never stored).
   (A one-launch variant that inverted each chunk's A in the state pass's own program lost at every shape on the
-  H200, 1.5-5x slower: results/prefill_gdn_2026-12-02b/, code in commit c56b007.)
+  H200, 1.5-5x slower: results/prefill_gdn_2026-12-02b/, code in commit c56b007. A fourth launch computing o apart
+  from the walk, as FLA's chunk_fwd_o, was 7-11% slower: results/gdn_prefill_osplit_2026-12-03/, code in commit
+  321299e.)
 
 H200 measurements and their analysis: experiments/results/gdn_summary.md.
 
@@ -85,17 +88,16 @@ TUNING = {
     # layer at every shape (1 x 4096: 0.428 against 0.458 ms), o rel. error 4.4e-3 against 4.0e-3.
     # (A form that also computed the operands in the inverse's launch, by 16-row blocks, was 1.7-2x slower per
     # layer at every shape and warp count on an H100 on 2026-12-06; its code is in commit 3b90dac.)
-    # key_head_qk: the operand launch stores the normalised q and k once per key head and the row decays e^gc,
-    # e^(gl - gc) are applied in the walk, instead of qg and kg per value head: 24 of the launch's ~128 KB per
-    # (value head, chunk) fewer. Built 2026-12-06, not yet measured: off.
+    # q and k per key head: the operand launch stores the normalised q and k once per key head and the walk applies
+    # the row decays e^gc, e^(gl - gc), instead of q e^gc and k e^(gl - gc) per value head (24 of the launch's
+    # ~128 KB per (value head, chunk) fewer). H100, 2026-12-06 (results/gdn_prefill_2026-12-06b_h100/), one layer
+    # against the per-value-head form (commit 321299e): 8 x 4096 2.331 against 2.457 ms, 8 x 1024 0.637 against
+    # 0.663, 1 x 1024 0.104 against 0.111, 1 x 4096 0.367 against 0.365. wu_num_warps 16 (92 registers against
+    # 159) was 1-4% slower than 8 at every shape in the same run.
     "prefill_prep": {"inv_num_warps": None, "inv_num_warps_small_grid": 2, "inv_num_warps_large_grid": 1,
-                     "inv_large_grid": 2048, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True,
-                     "key_head_qk": False},
-    # separate_output: the walk keeps only the S chain's two dots and stores h / v_new; a parallel launch per
-    # chunk computes o (out_num_warps). 7-11% slower at every shape measured (H200, 2026-12-03, 1 x 4096: 0.465
-    # against 0.433 ms; results/gdn_prefill_osplit_2026-12-03/), so it is off: an ablation switch
+                     "inv_large_grid": 2048, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True},
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
-                      "num_stages": 2, "static_loop": True, "separate_output": False, "out_num_warps": 4},
+                      "num_stages": 2, "static_loop": True},
     "prefill": {"dot": "bfloat16"},
 }
 CHUNK = 64     # rows per chunk (prefill)
@@ -398,13 +400,12 @@ def _masked_load(ref, mask, shape, dtype=f32):
 
 
 def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
-               w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *decay_refs, rep, dk, dv, scale, dot, key_head_qk):
+               w_ref, u_ref, qn_ref, kn_ref, aqk_ref, dl_ref, gc_ref, gr_ref, *, rep, dk, dv, scale, dot):
     """Per (sequence, value head, chunk), everything the sequential pass needs as ready-made dot operands:
-    w = X (beta e^gc k), u = X (beta v), qg = q e^gc (scaled), kg = k e^(gl - gc), Aqk = tril(q k^T e^(gc_i-gc_j)),
-    dl = e^gl (gl = the chunk's total log decay; 1 for chunks past the end).
-    key_head_qk: qg_ref / kg_ref are [B, H_k, T, D_k] and get the normalised (scaled) q and k once per key head
-    (from its first value head's program), and decay_refs = (gc_ref, gr_ref) [B, H_v, T] the row decays gc and
-    gl - gc: the walk applies them, so q and k cross HBM once per key head, not per value head."""
+    w = X (beta e^gc k), u = X (beta v), Aqk = tril(q k^T e^(gc_i-gc_j)), dl = e^gl (gl = the chunk's total log
+    decay; 1 for chunks past the end), and the row decays gc, gl - gc [B, H_v, T] (fp32). The normalised (scaled)
+    q and k go to qn_ref / kn_ref [B, H_k, T, D_k] once per key head (from its first value head's program): the
+    walk applies the row decays, so q and k cross HBM once per key head, not per value head."""
     bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // rep
     L = len_ref[bi]
@@ -425,18 +426,13 @@ def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
         X = x_ref[bi, h, rows, :]
         w_ref[bi, h, rows, :] = _dot(X, k * (be * jnp.exp(gc))[:, None], dot).astype(w_ref.dtype)
         u_ref[bi, h, rows, :] = _dot(X, v * be[:, None], dot).astype(u_ref.dtype)
-        if key_head_qk:
-            gc_ref, gr_ref = decay_refs
-            gc_ref[bi, h, rows] = gc
-            gr_ref[bi, h, rows] = gl - gc
+        gc_ref[bi, h, rows] = gc
+        gr_ref[bi, h, rows] = gl - gc
 
-            @pl.when(h % rep == 0)
-            def _():
-                qg_ref[bi, kh, rows, :] = q.astype(qg_ref.dtype)
-                kg_ref[bi, kh, rows, :] = k.astype(kg_ref.dtype)
-        else:
-            qg_ref[bi, h, rows, :] = (q * jnp.exp(gc)[:, None]).astype(qg_ref.dtype)
-            kg_ref[bi, h, rows, :] = (k * jnp.exp(gl - gc)[:, None]).astype(kg_ref.dtype)
+        @pl.when(h % rep == 0)
+        def _():
+            qn_ref[bi, kh, rows, :] = q.astype(qn_ref.dtype)
+            kn_ref[bi, kh, rows, :] = k.astype(kn_ref.dtype)
         tri = cr[:, None] >= cr[None, :]
         dg = jnp.where(tri, gc[:, None] - gc[None, :], 0.0)
         aqk_ref[bi, h, rows, :] = jnp.where(tri, _dot_nt(q, k, dot) * jnp.exp(dg), 0.0).astype(aqk_ref.dtype)
@@ -496,25 +492,16 @@ def _dot_nt(a, b, mode):
                                preferred_element_type=f32)
 
 
-def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_ref, *rest, dk, bv, nc, dot, has_init,
-                  static_loop, separate_output, span, rep, key_head_qk):
-    """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers:
-    v_new = u - w S;  o = qg S + Aqk v_new;  S <- dl S + kg^T v_new. Writes o on the sequence's rows only, or with
-    `span` (static; needs static_loop) on its first `span` rows: the rows past its length come out 0 (their operands
-    load as 0), so a right-padded batch needs no masking pass after the kernel.
-    separate_output: o is left to `_output_kernel`; the walk stores each chunk's entering state S (h) and v_new
-    instead (in the dot operand dtype, which is what the o dots would round them to), so only the two dots of the
-    S chain stay in the sequential loop (FLA's chunk_fwd_h / chunk_fwd_o split).
-    key_head_qk: qg_ref / kg_ref hold the key head's q and k, and the walk scales them by e^gc / e^(gl - gc) from
-    the two row-decay inputs that follow dl_ref (see `_wu_kernel`)."""
-    if key_head_qk:
-        gc_ref, gr_ref, *rest = rest
+def _state_kernel(len_ref, off_ref, w_ref, u_ref, qn_ref, kn_ref, aqk_ref, dl_ref, gc_ref, gr_ref, *rest, dk, bv, nc,
+                  dot, has_init, static_loop, span, rep):
+    """Per (sequence, value head, D_v slice): the sequential chunk walk with the state slice in registers, q and k
+    those of the value head's key head (`_wu_kernel`'s qn, kn) and the row decays applied on the [64, bv] sides:
+    v_new = u - w S;  o = e^gc (q S) + Aqk v_new;  S <- dl S + k^T (e^(gl - gc) v_new). Writes o on the sequence's
+    rows only, or with `span` (static; needs static_loop) on its first `span` rows: the rows past its length come
+    out 0 (their operands load as 0), so a right-padded batch needs no masking pass after the kernel."""
     if has_init:
         s0_ref, *rest = rest
-    if separate_output:
-        h_ref, vn_ref, st_ref = rest
-    else:
-        o_ref, st_ref = rest
+    o_ref, st_ref = rest
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     L = len_ref[bi]
     off = off_ref[bi]
@@ -535,56 +522,33 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qg_ref, kg_ref, aqk_ref, dl_re
             ld = lambda ref, n, dt: ref[...].astype(dt)
         opdt = _DOT_DTYPE[dot]
         w = ld(w_ref.at[bi, h, rows, :], dk, opdt)
-        qk_head = h // rep if key_head_qk else h  # key_head_qk: the key head's q and k, without their row decays
         if static_loop:  # dead chunks: q = k = 0 and decays e^0
             row_exp = lambda ref: jnp.exp(_masked_load(ref.at[bi, h, rows], t0 < L, (CHUNK,)))[:, None]
         else:
             row_exp = lambda ref: jnp.exp(ref[bi, h, rows])[:, None]
-        kg = ld(kg_ref.at[bi, qk_head, rows, :], dk, opdt)
+        kh = h // rep
+        kn = ld(kn_ref.at[bi, kh, rows, :], dk, opdt)
         u = ld(u_ref.at[bi, h, rows, cols], bv, f32)
         dl = dl_ref[bi, h, c]
         v_new = u - _dot(w, S, dot)
-        if separate_output:
-            h_ref[bi, h, c, :, cols] = S.astype(h_ref.dtype)
-            vn_ref[bi, h, rows, cols] = v_new.astype(vn_ref.dtype)
-        else:
-            aqk = ld(aqk_ref.at[bi, h, rows, :], CHUNK, opdt)
-            o = _dot(ld(qg_ref.at[bi, qk_head, rows, :], dk, opdt), S, dot)
-            if key_head_qk:  # (q e^gc) S = e^gc (q S)
-                o = row_exp(gc_ref) * o
-            o = o + _dot(aqk, v_new, dot)
-            plt.store(o_ref.at[pl.ds(off + t0, CHUNK), h, cols], o,
-                      mask=jnp.broadcast_to(((t0 + cr) < (L if span is None else span))[:, None], (CHUNK, bv)))
+        aqk = ld(aqk_ref.at[bi, h, rows, :], CHUNK, opdt)
+        o = row_exp(gc_ref) * _dot(ld(qn_ref.at[bi, kh, rows, :], dk, opdt), S, dot)   # (q e^gc) S = e^gc (q S)
+        o = o + _dot(aqk, v_new, dot)
+        plt.store(o_ref.at[pl.ds(off + t0, CHUNK), h, cols], o,
+                  mask=jnp.broadcast_to(((t0 + cr) < (L if span is None else span))[:, None], (CHUNK, bv)))
         # (k e^(gl - gc))^T v_new = k^T (e^(gl - gc) v_new)
-        return dl * S + _dot(kg, row_exp(gr_ref) * v_new if key_head_qk else v_new, dot, trans_a=True)
+        return dl * S + _dot(kn, row_exp(gr_ref) * v_new, dot, trans_a=True)
 
     # static: a fixed trip count (scf.for: Triton can software-pipeline the loads); else only the live chunks
     S = jax.lax.fori_loop(0, nc if static_loop else (L + CHUNK - 1) // CHUNK, body, S)
     st_ref[bi, h, :, cols] = S
 
 
-def _output_kernel(len_ref, off_ref, qg_ref, aqk_ref, h_ref, vn_ref, o_ref, *, dot):
-    """Per (sequence, value head, chunk), after the state walk: o = qg h + Aqk v_new on the chunk's live rows."""
-    bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    L = len_ref[bi]
-    t0 = c * CHUNK
-
-    @pl.when(t0 < L)
-    def _():
-        cr = jnp.arange(CHUNK, dtype=jnp.int32)
-        rows = pl.ds(t0, CHUNK)
-        o = (_dot(qg_ref[bi, h, rows, :], h_ref[bi, h, c], dot)
-             + _dot(aqk_ref[bi, h, rows, :], vn_ref[bi, h, rows, :], dot))
-        plt.store(o_ref.at[pl.ds(off_ref[bi] + t0, CHUNK), h, :], o,
-                  mask=jnp.broadcast_to(((t0 + cr) < L)[:, None], o.shape))
-
-
 def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool = False, *,
                    dot=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
-                   inv_num_warps=None, wu_num_warps=None, separate_output=None, out_num_warps=None,
-                   u_operand_dtype=None, key_head_qk=None, padded=False):
+                   inv_num_warps=None, wu_num_warps=None, u_operand_dtype=None, padded=False):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
-    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches, four with separate_output.
+    offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches.
     Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v] fp32; zero_filled).
     `padded`: the right-padded layout (offsets b * seq_len); where the walk computes o over a static chunk loop it
     also writes the zeros past each length, and `zero_filled` says so (no masking pass needed). Tuning overrides:
@@ -600,10 +564,9 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     offsets = offsets.astype(jnp.int32)
     has_init = initial_state is not None
     out_shape = (jax.ShapeDtypeStruct((N, hv, dv), f32), jax.ShapeDtypeStruct((B, hv, dk, dv), f32))
-    ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages,
-                                       separate_output=separate_output, out_num_warps=out_num_warps))
+    ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
     pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps,
-                                      u_operand_dtype=u_operand_dtype, key_head_qk=key_head_qk))
+                                      u_operand_dtype=u_operand_dtype))
     nc = pl.cdiv(seq_len, CHUNK)
     tp = nc * CHUNK
     bv_ = ps["bv"]
@@ -618,56 +581,36 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
         inv_warps = pp["inv_num_warps_large_grid"] if large else pp["inv_num_warps_small_grid"]
     pinv = plt.CompilerParams(num_warps=inv_warps, num_stages=pp["num_stages"])
     pwu = plt.CompilerParams(num_warps=pp["wu_num_warps"], num_stages=pp["num_stages"])
-    operands_shape = (jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
-                      jax.ShapeDtypeStruct((B, hv, tp, dv), opdt if pp["u_operand_dtype"] else f32),
-                      jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
-                      jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),
-                      jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
-                      jax.ShapeDtypeStruct((B, hv, nc), f32))
+    qk = jax.ShapeDtypeStruct((B, hk, tp, dk), opdt)
+    rowdecay = jax.ShapeDtypeStruct((B, hv, tp), f32)
+    operands_shape = (jax.ShapeDtypeStruct((B, hv, tp, dk), opdt),                          # w
+                      jax.ShapeDtypeStruct((B, hv, tp, dv), opdt if pp["u_operand_dtype"] else f32),  # u
+                      qk, qk,                                                                  # qn, kn
+                      jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),                       # Aqk
+                      jax.ShapeDtypeStruct((B, hv, nc), f32),                               # dl
+                      rowdecay, rowdecay)                                                      # gc, gl - gc
     xinv = pl.pallas_call(
         functools.partial(_inv_kernel, rep=rep, dk=dk, dot=dot),
         out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
         grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse",
     )(lengths, offsets, k, g, beta)
-    separate, khqk = ps["separate_output"], pp["key_head_qk"]
-    if khqk:
-        if separate:
-            raise ValueError("key_head_qk and separate_output exclude each other")
-        qk = jax.ShapeDtypeStruct((B, hk, tp, dk), opdt)
-        rowdecay = jax.ShapeDtypeStruct((B, hv, tp), f32)
-        operands_shape = operands_shape[:2] + (qk, qk) + operands_shape[4:] + (rowdecay, rowdecay)
-    w, u, qg, kg, aqk, dl, *decays = pl.pallas_call(
-        functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot, key_head_qk=khqk),
+    operands = pl.pallas_call(
+        functools.partial(_wu_kernel, rep=rep, dk=dk, dv=dv, scale=dk ** -0.5, dot=dot),
         out_shape=operands_shape, grid=(B, hv, nc), compiler_params=pwu, interpret=interpret,
         name="gdn_prefill_wu",
     )(lengths, offsets, q, k, v, g, beta, xinv)
-    args = (lengths, offsets, w, u, qg, kg, aqk, dl, *decays) + ((initial_state,) if has_init else ())
-    if separate:  # the walk stores h [B, H_v, chunks, D_k, D_v] and v_new; o comes from _output_kernel
-        out_shape = (jax.ShapeDtypeStruct((B, hv, nc, dk, dv), opdt), jax.ShapeDtypeStruct((B, hv, tp, dv), opdt),
-                     out_shape[1])
-    zero_filled = padded and ps["static_loop"] and not separate
-    walk = pl.pallas_call(
+    args = (lengths, offsets, *operands) + ((initial_state,) if has_init else ())
+    zero_filled = padded and ps["static_loop"]
+    o, final_state = pl.pallas_call(
         functools.partial(_state_kernel, dk=dk, bv=bv_, nc=nc, dot=dot, has_init=has_init,
-                          static_loop=ps["static_loop"], separate_output=separate,
-                          span=seq_len if zero_filled else None, rep=rep, key_head_qk=khqk),
+                          static_loop=ps["static_loop"], span=seq_len if zero_filled else None, rep=rep),
         out_shape=out_shape,
         grid=(B, hv, dv // bv_),
         compiler_params=plt.CompilerParams(num_warps=ps["num_warps"], num_stages=ps["num_stages"]),
         interpret=interpret,
         name="gdn_prefill_state",
     )(*args)
-    if not separate:
-        return walk + (zero_filled,)
-    h, vn, final_state = walk
-    o = pl.pallas_call(
-        functools.partial(_output_kernel, dot=dot),
-        out_shape=jax.ShapeDtypeStruct((N, hv, dv), f32),
-        grid=(B, hv, nc),
-        compiler_params=plt.CompilerParams(num_warps=ps["out_num_warps"], num_stages=1),
-        interpret=interpret,
-        name="gdn_prefill_output",
-    )(lengths, offsets, qg, aqk, h, vn)
-    return o, final_state, False
+    return o, final_state, zero_filled
 
 
 def gated_delta_chunk_prefill_triton(q, k, v, g, beta, initial_state=None, lengths=None, *, interpret: bool = False,

@@ -154,13 +154,15 @@ def _mass(pred, tile, valid, e, tail, tail_e):
     return s if tail is None else s + jnp.where(pred(tail), tail_e, 0.0)
 
 
-def _compact(mask, n, zv, idx, *, row, sz_ref, si_ref, C: int, interpret: bool, tail=None, tail_in=None):
+def _compact(mask, n, zv, idx, *, row, sz_ref, si_ref, C: int, interpret: bool, tail=None, tail_in=None,
+             rowcnt=None):
     """Values and indices of the `n` <= C selected tokens, in index order, as [C] vectors (-inf / 0 past n), through
     the row's scratch: inclusive prefix count of the tile's `mask` -> masked scatter -> barrier -> reload. With a
-    tail, `n` counts it too when `tail_in`; it is the row's last token, so it goes last."""
+    tail, `n` counts it too when `tail_in`; it is the row's last token, so it goes last. `rowcnt` ([R] int32, the
+    mask's count per tile row) when the caller has it already."""
     n_tile = n if tail is None else n - tail_in.astype(i32)
     ci = mask.astype(i32)
-    rowcnt = jnp.sum(ci, axis=1)                                              # [R]
+    rowcnt = jnp.sum(ci, axis=1) if rowcnt is None else rowcnt                # [R]
     incl = (jnp.cumsum(rowcnt) - rowcnt)[:, None] + jnp.cumsum(ci, axis=1)    # inclusive prefix count, [R, G]
     # masked lanes get distinct slots above n_tile: never written on the GPU, and the interpreter's
     # read-modify-write of masked lanes cannot clobber a selected one
@@ -196,20 +198,20 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
     from the bisection band, or no threshold), 2 = full row with a 32-step threshold search."""
     zv = jnp.where(valid, z, NEG_INF)
     tz = None if tail is None else tail.z
-    m = jnp.max(zv) if tail is None else jnp.maximum(jnp.max(zv), tz)
+    gm = jnp.max(zv, axis=0)                                                  # [G] group maxima
+    m = jnp.max(gm) if tail is None else jnp.maximum(jnp.max(gm), tz)
     e = jnp.where(valid, jnp.exp(zv - m), 0.0)
     te = None if tail is None else jnp.exp(tz - m)
     S = jnp.sum(e) if tail is None else jnp.sum(e) + te
     count = lambda pred: _count(pred, zv, valid, tz)
     mass = lambda pred: _mass(pred, zv, valid, e, tz, te)
 
-    def compact(pred, n):
+    def compact(pred, n, rowcnt=None):
         return _compact(valid & pred(zv), n, zv, idx, row=row, sz_ref=sz_ref, si_ref=si_ref, C=C,
-                        interpret=interpret, tail=tail, tail_in=None if tail is None else pred(tz))
+                        interpret=interpret, tail=tail, tail_in=None if tail is None else pred(tz), rowcnt=rowcnt)
 
     # --- lower bound L on the kept values (the tile's group maxima alone already give k distinct tokens >= L_k)
     use_k = (top_k > 0) & (top_k <= G)
-    gm = jnp.max(zv, axis=0)                                                  # [G] group maxima
     grank = jnp.sum((gm[None, :] > gm[:, None]).astype(i32), axis=1)          # groups strictly above
     L_k = jnp.min(jnp.where(grank < top_k, gm, jnp.inf))
     L_k = jnp.where(use_k, L_k, NEG_INF)
@@ -230,10 +232,12 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
 
     lo, hi = jax.lax.cond(use_p, bisect, lambda: (jnp.minimum(m, NEG_INF), m))
     L = jnp.maximum(L_k, lo)
-    n_c = count(lambda x: x >= L)
+    # the candidate count per tile row, reused by the compaction's prefix count
+    c_rows = jnp.sum((valid & (zv >= L)).astype(i32), axis=1)                 # [R]
+    n_c = jnp.sum(c_rows) if tail is None else jnp.sum(c_rows) + (tz >= L).astype(i32)
 
     def fast():
-        cz, cidx, cm = compact(lambda x: x >= L, n_c)
+        cz, cidx, cm = compact(lambda x: x >= L, n_c, c_rows)
         cp = jnp.where(cm, jnp.exp(cz - m), 0.0) / S
         rank = jnp.sum((cz[None, :] > cz[:, None]).astype(i32), axis=1)
         above = _mass_above(cz, cp, 0.0, crossing)

@@ -89,13 +89,12 @@ def decode_inputs(seed, slots_total, B, hk, hv, dk, dv, K=4, state_dtype=f32, x_
 
 
 # ------------------------------------------------------------------------------------------------ prefill
-@pytest.mark.parametrize("variant", ["dynamic", "static", "separate_output", "inverse_one_warp", "key_head_qk",
-                                     "key_head_qk_static"])
+@pytest.mark.parametrize("variant", ["dynamic", "static", "inverse_one_warp"])
 def test_prefill_ragged_matches_recurrence(variant):
-    """Lengths 1, 63, 64, 65, 300 in one right-padded batch, initial state carried in, NaN garbage past lengths;
+    """Lengths 1, 63, 64, 65, 300 in one right-padded batch, initial state carried in, NaN garbage past lengths,
+    2 value heads per key head (q and k stored once per key head, each value head's row decays applied in the walk);
     the kernels with a dynamic or a static chunk loop in the state pass (the static one writes the zeros past each
-    length itself), with o left to its own launch, with the inverse in one warp, or with q and k stored once per
-    key head and their row decays applied in the walk (`key_head_qk`, 2 value heads per key head)."""
+    length itself), or with the inverse in one warp."""
     B, T, hk, hv, dk, dv = 5, 300, 1, 2, 32, 32
     if variant.endswith("static"):  # the static trip-count variant is slower to interpret: a shorter batch
         T, lengths = 130, jnp.array([1, 63, 64, 65, 130], jnp.int32)
@@ -103,9 +102,8 @@ def test_prefill_ragged_matches_recurrence(variant):
         lengths = jnp.array([1, 63, 64, 65, 300], jnp.int32)
     q, k, v, g, beta, s0 = prefill_inputs(0, B, T, hk, hv, dk, dv)
     o, st = kernel_prefill(*(nan_pad(x, lengths) for x in (q, k, v, g, beta)), s0, lengths, dot="float32", bv=16,
-                           static_loop=variant.endswith("static"), separate_output=variant == "separate_output",
-                           inv_num_warps=1 if variant == "inverse_one_warp" else None,
-                           key_head_qk=variant.startswith("key_head_qk"))
+                           static_loop=variant.endswith("static"),
+                           inv_num_warps=1 if variant == "inverse_one_warp" else None)
     o_ref, st_ref = ref_recurrent(q, k, v, g, beta, s0, lengths)
     assert o.shape == (B, T, hv, dv) and o.dtype == f32 and st.shape == (B, hv, dk, dv) and st.dtype == f32
     assert not bool(jnp.isnan(o).any()) and not bool(jnp.isnan(st).any())
@@ -117,11 +115,9 @@ def test_prefill_ragged_matches_recurrence(variant):
         assert rel(st[i], st_ref[i]) <= 2e-5, i
 
 
-@pytest.mark.parametrize("separate_output,key_head_qk", [(False, False), (True, False), (False, True)])
-def test_prefill_packed_reads_each_sequence_in_place(separate_output, key_head_qk):
+def test_prefill_packed_reads_each_sequence_in_place():
     """Sequences of 65, 1, 64 and 63 rows packed end to end, NaN garbage in the padding rows, an empty lane, one
-    initial state per lane: each sequence's rows and final state equal the recurrence alone; rows outside are 0.
-    With o computed in the state walk or in its own launch, and with q and k stored per key head."""
+    initial state per lane: each sequence's rows and final state equal the recurrence alone; rows outside are 0."""
     hk, hv, dk, dv, T, N = 1, 2, 32, 32, 65, 220
     lengths = np.array([65, 1, 64, 63, 0], np.int32)
     offsets = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int32)
@@ -130,8 +126,7 @@ def test_prefill_packed_reads_each_sequence_in_place(separate_output, key_head_q
     s0 = prefill_inputs(10, len(lengths), 1, hk, hv, dk, dv)[5]
     used = int(lengths.sum())
     garbage = lambda x: x.at[:, used:].set(jnp.nan)
-    run = _jitted("packed", (("dot", "float32"), ("separate_output", separate_output), ("key_head_qk", key_head_qk),
-                             ("seq_len", T)))
+    run = _jitted("packed", (("dot", "float32"), ("seq_len", T)))
     o, st = run(*map(garbage, (q, k, v, g, beta)), s0, jnp.asarray(lengths), jnp.asarray(offsets))
     assert o.shape == (1, N, hv, dv) and st.shape == (len(lengths), hv, dk, dv)
     assert not bool(jnp.isnan(o).any()) and not bool((o[0, used:] != 0).any())
@@ -153,17 +148,15 @@ def test_prefill_full_head_dim_no_state_no_lengths():
     assert rel(o, o_ref) <= 2e-5 and rel(st, st_ref) <= 2e-5
 
 
-@pytest.mark.parametrize("u_operand_dtype,key_head_qk", [(True, False), (False, False), (True, True)])
-def test_prefill_bf16_dots_and_bf16_inputs(u_operand_dtype, key_head_qk):
+@pytest.mark.parametrize("u_operand_dtype", [True, False])
+def test_prefill_bf16_dots_and_bf16_inputs(u_operand_dtype):
     """The fast GPU mode: bf16 q/k/v inputs, bf16 dot operands, bf16 initial state; fp32 accumulation; the inverse
-    and u stored in bf16 (the default) or u in fp32; q and k stored per value head with their decays or per key
-    head (2 value heads each) without."""
+    and u stored in bf16 (the default) or u in fp32; 2 value heads per key head."""
     B, T, hk, hv, dk, dv = 2, 130, 2, 4, 32, 32
     lengths = jnp.array([130, 70], jnp.int32)
     q, k, v, g, beta, s0 = prefill_inputs(2, B, T, hk, hv, dk, dv, jnp.bfloat16)
     s0 = s0.astype(jnp.bfloat16)
-    o, st = kernel_prefill(q, k, v, g, beta, s0, lengths, dot="bfloat16", bv=16, u_operand_dtype=u_operand_dtype,
-                           key_head_qk=key_head_qk)
+    o, st = kernel_prefill(q, k, v, g, beta, s0, lengths, dot="bfloat16", bv=16, u_operand_dtype=u_operand_dtype)
     o_ref, st_ref = ref_recurrent(q, k, v, g, beta, s0, lengths)
     assert not bool(jnp.isnan(o).any())
     assert rel(o, o_ref) <= 2e-2 and rel(st, st_ref) <= 2e-2
@@ -343,14 +336,13 @@ def test_triton_lowering_full_shapes_for_h200():
         assert txt.count("__gpu$xla.gpu.triton") == launches and "output_operand_aliases" in txt
         if grid != "tiles":  # "tiles" with slots shifts the conv pool in XLA
             assert "scatter" not in txt and "concatenate" not in txt  # no XLA op touches the pools
-    for dot, separate, khqk in (("bfloat16", False, False), ("tf32", False, False), ("bfloat16", True, False),
-                                ("bfloat16", False, True)):
+    for dot in ("bfloat16", "tf32"):
         txt = lower_for_h200(lambda q, k, v, g, be, s0, ln: pallas_triton.gated_delta_chunk_prefill_triton(
-            q, k, v, g, be, s0, ln, dot=dot, separate_output=separate, key_head_qk=khqk), sd((B, T, hk, d), bf),
+            q, k, v, g, be, s0, ln, dot=dot), sd((B, T, hk, d), bf),
             sd((B, T, hk, d), bf), sd((B, T, hv, d), bf), sd((B, T, hv), f32), sd((B, T, hv), f32),
             sd((B, hv, d, d), f32), sd((B,), jnp.int32))
-        # inverse, w/u operands, state pass (+ the output launch)
-        assert txt.count("__gpu$xla.gpu.triton") == 3 + separate
+        # inverse, w/u operands, state pass
+        assert txt.count("__gpu$xla.gpu.triton") == 3
     N = 2 * T  # packed: B sequences of at most T rows in 2T rows, read in place
     txt = lower_for_h200(lambda q, k, v, g, be, s0, ln, off: pallas_triton.gated_delta_packed_prefill_triton(
         q, k, v, g, be, s0, off, ln, seq_len=T), sd((1, N, hk, d), f32), sd((1, N, hk, d), f32),
