@@ -80,10 +80,7 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     # u stored in fp32 (the default before 2026-12-05)
                     "triton_u_f32": {"u_operand_dtype": False},
                     # the operand launch in 16 warps: 92 registers (ptxas, sm_90a) against 159 in 8 warps
-                    "triton_wu16": {"wu_num_warps": 16},
-                    # the walk without software pipelining: 57 KB of shared memory against 140 KB at bv 64 (ptxas,
-                    # sm_90a), so two programs fit an SM where one does now (B = 8)
-                    "triton_walk_s1": {"num_stages": 1}, "triton_walk_s1_bv32": {"num_stages": 1, "bv": 32}}
+                    "triton_wu16": {"wu_num_warps": 16}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}
