@@ -203,7 +203,6 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
     e = jnp.where(valid, jnp.exp(zv - m), 0.0)
     te = None if tail is None else jnp.exp(tz - m)
     S = jnp.sum(e) if tail is None else jnp.sum(e) + te
-    count = lambda pred: _count(pred, zv, valid, tz)
     mass = lambda pred: _mass(pred, zv, valid, e, tz, te)
 
     def compact(pred, n, rowcnt=None):
