@@ -78,9 +78,7 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     "triton_inv4": {"inv_num_warps": 4},
                     "triton_wu4": {"wu_num_warps": 4}, "triton_bv16": {"bv": 16},
                     # u stored in fp32 (the default before 2026-12-05)
-                    "triton_u_f32": {"u_operand_dtype": False},
-                    # the operand launch in 16 warps: 92 registers (ptxas, sm_90a) against 159 in 8 warps
-                    "triton_wu16": {"wu_num_warps": 16}}
+                    "triton_u_f32": {"u_operand_dtype": False}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}

@@ -92,8 +92,9 @@ TUNING = {
     # the row decays e^gc, e^(gl - gc), instead of q e^gc and k e^(gl - gc) per value head (24 of the launch's
     # ~128 KB per (value head, chunk) fewer). H100, 2026-12-06 (results/gdn_prefill_2026-12-06b_h100/), one layer
     # against the per-value-head form (commit 321299e): 8 x 4096 2.331 against 2.457 ms, 8 x 1024 0.637 against
-    # 0.663, 1 x 1024 0.104 against 0.111, 1 x 4096 0.367 against 0.365. wu_num_warps 16 (92 registers against
-    # 159) was 1-4% slower than 8 at every shape in the same run.
+    # 0.663, 1 x 1024 0.104 against 0.111, 1 x 4096 0.367 against 0.365. wu_num_warps 16 was 1-4% slower than 8
+    # at every shape in the same run, and 11-16% slower at 70 registers once 8 warps fit in 126 (H100, 2026-12-06,
+    # results/gdn_2026-12-06_h100/).
     "prefill_prep": {"inv_num_warps": None, "inv_num_warps_small_grid": 2, "inv_num_warps_large_grid": 1,
                      "inv_large_grid": 2048, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True},
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
