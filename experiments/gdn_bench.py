@@ -78,7 +78,9 @@ PREFILL_VARIANTS = {"triton": {}, "triton_dyn": {"static_loop": False}, "triton_
                     "triton_inv4": {"inv_num_warps": 4},
                     "triton_wu4": {"wu_num_warps": 4}, "triton_bv16": {"bv": 16},
                     # u stored in fp32 (the default before 2026-12-05)
-                    "triton_u_f32": {"u_operand_dtype": False}}
+                    "triton_u_f32": {"u_operand_dtype": False},
+                    # the inverse's block dots exact on FMA units / in three tf32 passes (the default: one pass)
+                    "triton_inv_f32": {"inv_dot": "float32"}, "triton_inv_tf32x3": {"inv_dot": "tf32x3"}}
 PREFILL_CHECK_ONLY = {"triton_tf32": {"dot": "tf32"}}
 
 R = {"meta": {}, "check": {}, "decode": [], "prefill": [], "ablation": {}, "fla": {}, "errors": []}
@@ -225,6 +227,22 @@ def phase_check(jax, jnp, np, args):
             R["check"][f"prefill_{name}"] = res
             log("check prefill", name, res)
         guard(R["errors"], f"check prefill {name}", run)
+    # the inverse's hard case: keys of a chunk nearly parallel, beta near 1, little decay, so I + A is close to the
+    # all-ones lower triangle and the blocked inverse cancels large terms (the tf32 block dots' worst case)
+    kc = jax.random.split(jax.random.PRNGKey(4), 3)
+    k_par = (jax.random.normal(kc[0], (1, 1, HK, D)) + 0.05 * jax.random.normal(kc[1], k.shape)).astype(k.dtype)
+    beta_hi, g_lo = jax.nn.sigmoid(3.0 + beta), g * 0.01
+    with jax.default_matmul_precision("highest"):
+        o_r, s_r = jax.jit(reference.gated_delta_recurrent)(q, k_par, v, g_lo, beta_hi, s0, lengths)
+    for name in [n for n in ("triton", "triton_inv_f32", "triton_inv_tf32x3") if n in PREFILL_VARIANTS]:
+        def run():
+            vk = PREFILL_VARIANTS[name]
+            o, st = jax.jit(lambda *A: pallas_triton.gated_delta_chunk_prefill_triton(*A, **vk, **KEXTRA))(
+                q, k_par, v, g_lo, beta_hi, s0, lengths)
+            res = dict(o_rel=rel(np, o, o_r), state_rel=rel(np, st, s_r), nan=bool(np.isnan(np.asarray(o)).any()))
+            R["check"][f"prefill_parallel_keys_{name}"] = res
+            log("check prefill, nearly parallel keys", name, res)
+        guard(R["errors"], f"check prefill parallel keys {name}", run)
 
 
 def phase_decode(jax, jnp, np, args):

@@ -95,8 +95,15 @@ TUNING = {
     # 0.663, 1 x 1024 0.104 against 0.111, 1 x 4096 0.367 against 0.365. wu_num_warps 16 was 1-4% slower than 8
     # at every shape in the same run, and 11-16% slower at 70 registers once 8 warps fit in 126 (H100, 2026-12-06,
     # results/gdn_2026-12-06_h100/).
+    # inv_dot: the inverse's X block dots; None = "float32" (FMA, exact) under fp32 operands, else "tf32" (one
+    # tensor-core pass; X is stored in bf16 afterwards, with 3 fewer mantissa bits than tf32). H100, 2026-12-06
+    # (results/gdn_inverse_2026-12-06_h100/), one layer against fp32 block dots: 1 x 4096 0.312 against 0.362 ms,
+    # 8 x 4096 2.027 against 2.222, 8 x 1024 0.553 against 0.622, 1 x 1024 0.110 against 0.112; the inverse launch
+    # 0.049 against 0.083 ms at 1 x 4096; o rel. error 4.313e-3 against 4.306e-3. "tf32x3" (three passes, fp32-level)
+    # was in between: 0.325 / 2.039 ms.
     "prefill_prep": {"inv_num_warps": None, "inv_num_warps_small_grid": 2, "inv_num_warps_large_grid": 1,
-                     "inv_large_grid": 2048, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True},
+                     "inv_large_grid": 2048, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True,
+                     "inv_dot": None},
     "prefill_state": {"bv": None, "bv_small_grid": 32, "bv_large_grid": 64, "num_sms": 132, "num_warps": 4,
                       "num_stages": 2, "static_loop": True},
     "prefill": {"dot": "bfloat16"},
@@ -104,7 +111,7 @@ TUNING = {
 CHUNK = 64     # rows per chunk (prefill)
 SUB = 16       # rows per sub-block of the triangular inverse
 
-_DOT_DTYPE = {"float32": f32, "tf32": f32, "bfloat16": jnp.bfloat16}
+_DOT_DTYPE = {"float32": f32, "tf32": f32, "tf32x3": f32, "bfloat16": jnp.bfloat16}
 
 
 def _dot(a, b, mode: str, trans_a: bool = False):
@@ -114,6 +121,8 @@ def _dot(a, b, mode: str, trans_a: bool = False):
     b = b.astype(dt)
     if mode == "tf32":
         prec = (jax.lax.Precision.HIGH, jax.lax.Precision.HIGH)
+    elif mode == "tf32x3":  # three tf32 tensor-core passes (split operands): fp32-level accuracy
+        prec = jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     elif mode == "float32":
         prec = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
     else:
@@ -363,36 +372,40 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
 
 
 # ==================================================================================================== prefill
-def _tri_inv_unit(blocks, n):
-    """(I + A)^-1 for each strictly lower-triangular [n, n] A in `blocks`, by forward substitution on rows (fp32):
-    row i of X = e_i - sum_{m<i} A[i, m] X[m, :]. One loop over rows updates all blocks (a compact kernel body)."""
+def _tri_inv_unit(blocks_t, n):
+    """(I + A)^-1 for each strictly lower-triangular [n, n] A, given as A^T in `blocks_t`, by forward substitution on
+    rows (fp32): row i of X = e_i - sum_{m<i} A[i, m] X[m, :]. One loop over rows updates all blocks (a compact
+    kernel body). Row i of A is column i of A^T: a reduction whose result is already indexed like the rows of X, so
+    no step moves a vector to the other axis's layout (a shared-memory round trip in Triton); 1-5% faster for the
+    inverse launch than from A on an H100 (results/gdn_inverse_2026-12-06_h100/)."""
     r = jnp.arange(n, dtype=jnp.int32)[:, None]
     c = jnp.arange(n, dtype=jnp.int32)[None, :]
     eye = jnp.where(r == c, 1.0, 0.0).astype(f32)
 
     def row(i, Xs):
         out = []
-        for A, X in zip(blocks, Xs):
-            a_i = jnp.sum(jnp.where(r == i, A, 0.0), axis=0)      # row i of A, indexed by m
+        for At, X in zip(blocks_t, Xs):
+            a_i = jnp.sum(jnp.where(c == i, At, 0.0), axis=1)     # row i of A, indexed by m
             contrib = jnp.sum(a_i[:, None] * X, axis=0)           # sum_m A[i, m] X[m, :]
             out.append(jnp.where(r == i, X - contrib[None, :], X))
         return tuple(out)
 
-    return jax.lax.fori_loop(1, n, row, tuple(eye for _ in blocks))
+    return jax.lax.fori_loop(1, n, row, tuple(eye for _ in blocks_t))
 
 
-def _invert_blocks(A: dict, nb: int) -> dict:
-    """(I + A)^-1 of a strictly lower-triangular matrix given as its [SUB, SUB] blocks A[i, j] (j <= i, fp32):
-    forward substitution of the diagonal blocks, then X_ij = -X_ii sum_{m=j}^{i-1} A_im X_mj (FLA solve_tril's
-    blocking). Returns the blocks X[i, j], j <= i (those above the diagonal are zero)."""
-    X = dict(zip([(i, i) for i in range(nb)], _tri_inv_unit([A[i, i] for i in range(nb)], SUB)))
+def _invert_blocks(A: dict, diag_t: list, nb: int, dot: str) -> dict:
+    """(I + A)^-1 of a strictly lower-triangular matrix given as its [SUB, SUB] blocks A[i, j] (j < i) and its
+    diagonal blocks transposed (diag_t[i] = A[i, i]^T), fp32 accumulation: forward substitution of the diagonal
+    blocks, then X_ij = -X_ii sum_{m=j}^{i-1} A_im X_mj (FLA solve_tril's blocking), block dots in `dot` mode.
+    Returns the blocks X[i, j], j <= i (those above the diagonal are zero)."""
+    X = dict(zip([(i, i) for i in range(nb)], _tri_inv_unit(diag_t, SUB)))
     for d in range(1, nb):
         for i in range(d, nb):
             j = i - d
-            acc = _dot(A[i, j], X[j, j], "float32")
+            acc = _dot(A[i, j], X[j, j], dot)
             for m in range(j + 1, i):
-                acc = acc + _dot(A[i, m], X[m, j], "float32")
-            X[i, j] = -_dot(X[i, i], acc, "float32")
+                acc = acc + _dot(A[i, m], X[m, j], dot)
+            X[i, j] = -_dot(X[i, i], acc, dot)
     return X
 
 
@@ -448,13 +461,13 @@ def _wu_kernel(len_ref, off_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, x_ref,
         dl_ref[bi, h, c] = jnp.ones((), f32)
 
 
-def _inv_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot):
+def _inv_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot, inv_dot):
     """Per (sequence, value head, chunk): X = (I + A)^-1 with A = strictly-lower(beta K K^T * exp(gc_i - gc_j)).
 
     A's ten [16, 16] blocks on and below the diagonal come from block dots of k's 16-row blocks, so A and X stay in
-    registers; X (fp32 math, FLA solve_tril's blocking) is stored once, in x_ref's dtype (the dot operand dtype:
-    `_wu_kernel` rounds X to it anyway), zeros above the diagonal blocks. The layout of FLA's fused kkt +
-    solve_tril kernel (chunk_fwd.py)."""
+    registers; X (fp32 accumulation, FLA solve_tril's blocking, block dots in `inv_dot` mode) is stored once, in
+    x_ref's dtype (the dot operand dtype: `_wu_kernel` rounds X to it anyway), zeros above the diagonal blocks. The
+    layout of FLA's fused kkt + solve_tril kernel (chunk_fwd.py)."""
     bi, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kh = h // rep
     L = len_ref[bi]
@@ -464,7 +477,7 @@ def _inv_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot
     @pl.when(t0 < L)
     def _():
         sr = jnp.arange(SUB, dtype=jnp.int32)
-        lower = sr[:, None] > sr[None, :]
+        upper = sr[:, None] < sr[None, :]
         k, be, gc = [], [], []
         base = jnp.zeros((), f32)  # the chunk's log decay summed over the blocks before this one
         for i in range(nb):
@@ -475,13 +488,15 @@ def _inv_kernel(len_ref, off_ref, k_ref, g_ref, beta_ref, x_ref, *, rep, dk, dot
             g = _masked_load(g_ref.at[src, h], valid, (SUB,))
             gc.append(jnp.cumsum(g) + base)
             base = base + jnp.sum(g)
-        A = {}
+        A, diag_t = {}, []
         for i in range(nb):
-            for j in range(i + 1):
-                dg = gc[i][:, None] - gc[j][None, :]  # <= 0 below the diagonal
-                a = be[i][:, None] * _dot_nt(k[i], k[j], dot) * jnp.exp(jnp.where(lower, dg, 0.0) if i == j else dg)
-                A[i, j] = jnp.where(lower, a, 0.0) if i == j else a
-        X = _invert_blocks(A, nb)
+            for j in range(i):
+                A[i, j] = be[i][:, None] * _dot_nt(k[i], k[j], dot) * jnp.exp(gc[i][:, None] - gc[j][None, :])
+            # A[i, i]^T[m, r] = be[r] (k_m . k_r) e^(gc_r - gc_m) for m < r (K K^T is symmetric)
+            dg = gc[i][None, :] - gc[i][:, None]
+            diag_t.append(jnp.where(upper, be[i][None, :] * _dot_nt(k[i], k[i], dot) *
+                                    jnp.exp(jnp.where(upper, dg, 0.0)), 0.0))
+        X = _invert_blocks(A, diag_t, nb, inv_dot)
         zero = jnp.zeros((SUB, SUB), x_ref.dtype)
         for i in range(nb):
             for j in range(nb):
@@ -551,7 +566,7 @@ def _state_kernel(len_ref, off_ref, w_ref, u_ref, qn_ref, kn_ref, aqk_ref, dl_re
 
 def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: int, interpret: bool = False, *,
                    dot=None, bv=None, static_loop=None, num_warps=None, num_stages=None,
-                   inv_num_warps=None, wu_num_warps=None, u_operand_dtype=None, padded=False):
+                   inv_num_warps=None, wu_num_warps=None, u_operand_dtype=None, inv_dot=None, padded=False):
     """The chunked prefill on rows: q, k [N, H_k, D_k], v [N, H_v, D_v], g, beta [N, H_v]; sequence b holds rows
     offsets[b] .. offsets[b] + lengths[b] - 1 (lengths <= seq_len); three launches.
     Returns (o [N, H_v, D_v] fp32, written on those rows only; final_state [B, H_v, D_k, D_v] fp32; zero_filled).
@@ -571,7 +586,7 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     out_shape = (jax.ShapeDtypeStruct((N, hv, dv), f32), jax.ShapeDtypeStruct((B, hv, dk, dv), f32))
     ps = _params("prefill_state", dict(bv=bv, static_loop=static_loop, num_warps=num_warps, num_stages=num_stages))
     pp = _params("prefill_prep", dict(inv_num_warps=inv_num_warps, wu_num_warps=wu_num_warps,
-                                      u_operand_dtype=u_operand_dtype))
+                                      u_operand_dtype=u_operand_dtype, inv_dot=inv_dot))
     nc = pl.cdiv(seq_len, CHUNK)
     tp = nc * CHUNK
     bv_ = ps["bv"]
@@ -584,6 +599,9 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
     if inv_warps is None:  # small grids: more warps per chunk; large ones: more chunks per SM
         large = B * hv * nc >= pp["inv_large_grid"]
         inv_warps = pp["inv_num_warps_large_grid"] if large else pp["inv_num_warps_small_grid"]
+    inv_dot = pp["inv_dot"] or ("float32" if dot == "float32" else "tf32")
+    if interpret and inv_dot == "tf32x3":  # the interpreter's CPU dots have no tf32x3 algorithm: fp32 there
+        inv_dot = "float32"
     pinv = plt.CompilerParams(num_warps=inv_warps, num_stages=pp["num_stages"])
     pwu = plt.CompilerParams(num_warps=pp["wu_num_warps"], num_stages=pp["num_stages"])
     qk = jax.ShapeDtypeStruct((B, hk, tp, dk), opdt)
@@ -595,7 +613,7 @@ def _chunk_prefill(q, k, v, g, beta, initial_state, offsets, lengths, seq_len: i
                       jax.ShapeDtypeStruct((B, hv, nc), f32),                               # dl
                       rowdecay, rowdecay)                                                      # gc, gl - gc
     xinv = pl.pallas_call(
-        functools.partial(_inv_kernel, rep=rep, dk=dk, dot=dot),
+        functools.partial(_inv_kernel, rep=rep, dk=dk, dot=dot, inv_dot=inv_dot),
         out_shape=jax.ShapeDtypeStruct((B, hv, tp, CHUNK), opdt),
         grid=(B, hv, nc), compiler_params=pinv, interpret=interpret, name="gdn_prefill_inverse",
     )(lengths, offsets, k, g, beta)

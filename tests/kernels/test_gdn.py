@@ -336,9 +336,9 @@ def test_triton_lowering_full_shapes_for_h200():
         assert txt.count("__gpu$xla.gpu.triton") == launches and "output_operand_aliases" in txt
         if grid != "tiles":  # "tiles" with slots shifts the conv pool in XLA
             assert "scatter" not in txt and "concatenate" not in txt  # no XLA op touches the pools
-    for dot in ("bfloat16", "tf32"):
+    for dot, inv_dot in (("bfloat16", None), ("bfloat16", "tf32x3"), ("bfloat16", "float32"), ("tf32", None)):
         txt = lower_for_h200(lambda q, k, v, g, be, s0, ln: pallas_triton.gated_delta_chunk_prefill_triton(
-            q, k, v, g, be, s0, ln, dot=dot), sd((B, T, hk, d), bf),
+            q, k, v, g, be, s0, ln, dot=dot, inv_dot=inv_dot), sd((B, T, hk, d), bf),
             sd((B, T, hk, d), bf), sd((B, T, hv, d), bf), sd((B, T, hv), f32), sd((B, T, hv), f32),
             sd((B, hv, d, d), f32), sd((B,), jnp.int32))
         # inverse, w/u operands, state pass
