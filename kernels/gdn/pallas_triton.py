@@ -24,7 +24,8 @@ Two kernel families, same math as `reference.py` (see its docstring for shapes a
   a right-padded batch is the packed case with offsets b * T). Three launches:
     1. `_inv_kernel`, parallel over (sequence, value head, chunk): A = strictly-lower(beta K K^T * decay) as its
        ten 16x16 blocks, (I + A)^-1 by forward substitution of the four diagonal blocks and block merges (the
-       blocking of FLA's `solve_tril`), fp32 in registers, stored in the dot operand dtype.
+       blocking of FLA's `solve_tril`), fp32 accumulation in registers (the merges' block dots in tf32 under bf16
+       operands, TUNING's inv_dot), stored in the dot operand dtype.
     2. `_wu_kernel`, same grid: the sequential pass's dot operands w = (I+A)^-1 (beta e^g k), u = (I+A)^-1 (beta v),
        Aqk = tril(q k^T * decay), the chunk decay e^g_last and the row decays g, g_last - g; the normalised q and k
        once per key head (the value heads sharing it apply their own decays in the walk).
@@ -42,7 +43,8 @@ H200 measurements and their analysis: experiments/results/gdn_summary.md.
 
 Precision (`dot` mode): "float32" = IEEE fp32 dots (bit-for-bit the reference's math up to summation order; slow on
 GPU, used by the CPU tests), "tf32" = fp32 operands on tensor cores (TF32), "bfloat16" = bf16 operands, fp32
-accumulation (what FLA does). The inverse, cumsums, gates and the state are fp32 in every mode.
+accumulation (what FLA does). The inverse (fp32 accumulation; tf32 block products unless the mode is "float32"),
+cumsums, gates and the state are fp32 in every mode.
 
 Tuning values live in TUNING (data, not scattered constants).
 """
@@ -100,7 +102,7 @@ TUNING = {
     # (results/gdn_inverse_2026-12-06_h100/), one layer against fp32 block dots: 1 x 4096 0.312 against 0.362 ms,
     # 8 x 4096 2.027 against 2.222, 8 x 1024 0.553 against 0.622, 1 x 1024 0.110 against 0.112; the inverse launch
     # 0.049 against 0.083 ms at 1 x 4096; o rel. error 4.313e-3 against 4.306e-3. "tf32x3" (three passes, fp32-level)
-    # was in between: 0.325 / 2.039 ms.
+    # was in between: 0.325 / 2.039 ms. A second call: 1 x 4096 0.300 ms (exact 0.344, tf32x3 0.317).
     "prefill_prep": {"inv_num_warps": None, "inv_num_warps_small_grid": 2, "inv_num_warps_large_grid": 1,
                      "inv_large_grid": 2048, "wu_num_warps": 8, "num_stages": 1, "u_operand_dtype": True,
                      "inv_dot": None},
