@@ -70,6 +70,8 @@ P_BISECT_MAX_TOP_P = 0.9999
 #   groups G: lanes per tile row (the top-k bound uses the k-th largest of G group maxima; top-k <= G for it);
 #   cand C: candidate cap of the fast path (pairwise [C, C]); p_bisect: bisection steps of the top-p bound;
 #   noise_rows: tile rows per chunk of the full-row noise (bounds the hash's registers);
+#   noise_cap: the full-row paths draw noise for the kept tokens only, compacted in index order, when at most this
+#   many are kept (one hash per thread at the table's warps; 0: always for the whole row, in noise_rows chunks);
 #   fold_rows_max (rows only): the draw id is folded in-kernel up to this many rows, by one XLA op first above it (the
 #   fold costs registers: 9 head launches of 128 rows were faster folded in-kernel, of 256 rows 130 us against 86 us,
 #   experiments/results/sampling_2026-12-02/3_frame_keys);
@@ -78,11 +80,11 @@ P_BISECT_MAX_TOP_P = 0.9999
 #   62.9 us at 128 rows in sampling_2026-12-02/4_fold_threshold), "groups" above (64 groups compile to ~180-210
 #   registers against ~128, one CTA per SM instead of two, so 256 rows would take two waves).
 TUNING = {
-    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4, "fold_rows_max": 128,
-             "one_wave_groups": 64, "one_wave_rows_max": 132},
+    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4, "noise_cap": 256,
+             "fold_rows_max": 128, "one_wave_groups": 64, "one_wave_rows_max": 132},
     # main cand 64: 30.3 against 32.8 us for the main launch at 128 rows, same call (sampling_2026-12-03/), and 111.1
     # against 114.1 us for the step in sampling_2026-12-02/
-    "main": {"num_warps": 16, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 8},
+    "main": {"num_warps": 16, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 8, "noise_cap": 512},
 }
 
 
@@ -190,7 +192,7 @@ def _mass_above(cz, cp, base, crossing: bool):
 
 
 def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, si_ref, V: int, G: int,
-          C: int, NB: int, interpret: bool, load_z, RC: int):
+          C: int, NB: int, interpret: bool, load_z, RC: int, NC: int):
     """One filtered Gumbel-max draw from the [R, G] tile z (already temperature-scaled) and, for the main token, the
     scalar tail (_Tail, else None); V counts every token of the row, the tail included. load_z(r0) reloads tile
     rows [r0, r0 + RC) of z (the full-row noise is drawn in such chunks, to bound the registers the hash needs).
@@ -205,7 +207,7 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
     S = jnp.sum(e) if tail is None else jnp.sum(e) + te
     mass = lambda pred: _mass(pred, zv, valid, e, tz, te)
 
-    def compact(pred, n, rowcnt=None):
+    def compact(pred, n, rowcnt=None, C=C):
         return _compact(valid & pred(zv), n, zv, idx, row=row, sz_ref=sz_ref, si_ref=si_ref, C=C,
                         interpret=interpret, tail=tail, tail_in=None if tail is None else pred(tz), rowcnt=rowcnt)
 
@@ -323,12 +325,26 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
             better = cmax > best[0]     # ties keep the earlier chunk's (lower) index
             return jnp.where(better, cmax, best[0]), jnp.where(better, cidx, best[1])
 
-        R = z.shape[0]
-        best, out = jax.lax.fori_loop(0, R // RC, noise_chunk, (jnp.minimum(m, NEG_INF), kmin - kmin))
-        if tail is not None:            # last index: it wins only when strictly above
-            kept_t = (tkey >= t) | (tz == m)
-            wt = jnp.where(kept_t, tz + gumbel_at(k0, k1, out * 0 + tail.idx), NEG_INF)
-            out = jnp.where(wt > best, out * 0 + tail.idx, out)
+        def noise_chunked():
+            best, out = jax.lax.fori_loop(0, z.shape[0] // RC, noise_chunk, (jnp.minimum(m, NEG_INF), kmin - kmin))
+            if tail is not None:        # last index: it wins only when strictly above
+                kept_t = (tkey >= t) | (tz == m)
+                wt = jnp.where(kept_t, tz + gumbel_at(k0, k1, out * 0 + tail.idx), NEG_INF)
+                out = jnp.where(wt > best, out * 0 + tail.idx, out)
+            return out
+
+        kept = lambda x: (_ordered_key(x) >= t) | (x == m)
+
+        def noise_compacted():          # the kept tokens in index order, noise for those only
+            cz, cidx, _ = compact(kept, n_keep, C=NC)
+            w = cz + gumbel_at(k0, k1, cidx)                # -inf past n_keep
+            return jnp.min(jnp.where(w == jnp.max(w), cidx, INT_MAX))
+
+        if NC:
+            n_keep = _count(kept, zv, valid, tz)
+            out = jax.lax.cond(n_keep <= NC, noise_compacted, noise_chunked)
+        else:
+            out = noise_chunked()
         path = 1 + (use_tk | (use_tp & jnp.logical_not(band_ok))).astype(i32)
         return out, path
 
@@ -371,7 +387,7 @@ def _draw_key(key_ref, row, draw):
 
 # ------------------------------------------------------------------------------------------------ kernels
 def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C, NB, RC,
-                 crossing, draw, interpret):
+                 NC, crossing, draw, interpret):
     row = pl.program_id(0)
     k0, k1 = _draw_key(key_ref, row, draw)
     idx = _tile_iota(N // G, G)
@@ -381,14 +397,14 @@ def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref,
     z = _div_rn(x, t, interpret)
     out, path = _draw(z, valid, idx, None, k0, k1, p_ref[row], k_ref[row],
                       crossing=crossing, row=row, sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB,
-                      interpret=interpret, RC=RC,
+                      interpret=interpret, RC=RC, NC=NC,
                       load_z=functools.partial(_load_chunk, x_ref, row, t, n_tile=V, G=G, RC=RC, interpret=interpret))
     out_ref[row] = out
     path_ref[row] = path
 
 
 def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_ref, path_ref, sz_ref, si_ref, *, V,
-                 N, G, C, NB, RC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p, draws,
+                 N, G, C, NB, RC, NC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p, draws,
                  interpret):
     """Draw 0 with the request's parameters; draw 1 (RAS parameters, its own key) only when draw 0 gave a semantic
     token that is in the recent window. One loop body, so the draw is compiled once. The band (V - 1 tokens) is the
@@ -417,7 +433,7 @@ def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_
             x = _load_row(x_ref, row, idx, valid)      # (re)loaded per draw: not held across the loop
             tail = _Tail(_load_tail(x_ref, row, V - 1, t, interpret), V - 1)
             i, path = _draw(_div_rn(x, t, interpret), valid, idx, tail, k0, k1, tp, tk, crossing=True, row=row,
-                            sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, interpret=interpret, RC=RC,
+                            sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, interpret=interpret, RC=RC, NC=NC,
                             load_z=functools.partial(_load_chunk, x_ref, row, t, n_tile=V - 1, G=G, RC=RC,
                                                      interpret=interpret))
             new_id = jnp.where(i == V - 1, eos_token_id, semantic_start + i)
@@ -442,20 +458,24 @@ def _rc(N: int, G: int, cfg: dict) -> int:
     return max(1, min(_next_pow2(cfg["noise_rows"]), N // G))
 
 
+def _nc(N: int, cfg: dict) -> int:
+    return min(_next_pow2(cfg["noise_cap"]), N) if cfg["noise_cap"] else 0
+
+
 def _scratch(rows: int, N: int):
     return (jax.ShapeDtypeStruct((rows, N), f32), jax.ShapeDtypeStruct((rows, N), i32))
 
 
 def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, draw=None,
                            interpret: bool = False, return_path: bool = False, num_warps=None, groups=None, cand=None,
-                           p_bisect=None, noise_rows=None, fold_rows_max=None):
+                           p_bisect=None, noise_rows=None, noise_cap=None, fold_rows_max=None):
     """One filtered Gumbel-max draw per row (see reference.sample_filtered). keys [B, 2] uint32 raw keys (frame keys
     with draw: the kernel folds the draw id in); logits [B, V] (any float dtype; read once); temperature,
     top_p [B] float; top_k [B] int. Returns int32 [B] (and, with
     return_path, the path per row, int32 [B]: 0 candidates, 1 full row without a 32-step search, 2 full row with
     one)."""
     cfg = _params("rows", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
-                               noise_rows=noise_rows, fold_rows_max=fold_rows_max))
+                               noise_rows=noise_rows, noise_cap=noise_cap, fold_rows_max=fold_rows_max))
     B, V = logits.shape
     if draw is not None and B > cfg["fold_rows_max"]:
         keys, draw = fold_draw(keys, draw), None
@@ -464,7 +484,7 @@ def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_cros
     N, G = _geometry(V, cfg["groups"])
     C = min(_next_pow2(cfg["cand"]), N)
     kern = functools.partial(_rows_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], RC=_rc(N, G, cfg),
-                             crossing=keep_crossing, draw=None if draw is None else int(draw), interpret=interpret)
+                             NC=_nc(N, cfg), crossing=keep_crossing, draw=None if draw is None else int(draw), interpret=interpret)
     out, path, _, _ = pl.pallas_call(
         kern, grid=(B,),
         out_shape=(jax.ShapeDtypeStruct((B,), i32), jax.ShapeDtypeStruct((B,), i32)) + _scratch(B, N),
@@ -477,13 +497,13 @@ def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_cros
 def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
                        eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float, draws=None,
                        interpret: bool = False, return_path: bool = False, num_warps=None, groups=None,
-                       cand=None, p_bisect=None, noise_rows=None):
+                       cand=None, p_bisect=None, noise_rows=None, noise_cap=None):
     """Main token with RAS in one launch (see reference.sample_main; with draws, keys are frame keys, ras_keys None,
     and the kernel folds both draw ids in). recent_main [B, W] int32 (padded with -1 to a
     power of two). With return_path: flags [B] int32: bits 0-1 the first draw's path (0 candidates, 1 full row without
     a 32-step search, 2 full row with one), bit 2 the RAS draw ran, bits 3-4 its path."""
     cfg = _params("main", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
-                               noise_rows=noise_rows))
+                               noise_rows=noise_rows, noise_cap=noise_cap))
     B, V = band_logits.shape
     if V < 2:
         raise ValueError(f"the main token needs a band and EOS (at least 2 candidates), got {V}")
@@ -493,7 +513,8 @@ def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, r
     Wp = _next_pow2(W)
     if Wp != W:
         recent_main = jnp.pad(recent_main, ((0, 0), (0, Wp - W)), constant_values=-1)
-    kern = functools.partial(_main_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], RC=_rc(N, G, cfg), W=Wp,
+    kern = functools.partial(_main_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], RC=_rc(N, G, cfg), NC=_nc(N, cfg),
+                             W=Wp,
                              semantic_start=int(semantic_start), eos_token_id=int(eos_token_id),
                              ras_temperature=float(ras_temperature), ras_top_k=int(ras_top_k),
                              ras_top_p=float(ras_top_p), interpret=interpret,

@@ -105,14 +105,16 @@ def test_gumbel_at_is_bit_identical_to_jax_random():
 
 
 # ------------------------------------------------------------------------------------------------ exact equality
-@pytest.mark.parametrize("groups", [None, 128])   # None: the one-wave default (64 groups at 48 rows)
-def test_rows_kernel_equals_reference_both_modes_both_paths(groups):
+# groups None: the one-wave default (64 groups at 48 rows); noise_cap None: the full-row paths draw noise for the kept
+# tokens only when at most 256 are kept (most full-row rows here), else for the whole row; 0: always the whole row
+@pytest.mark.parametrize("groups,noise_cap", [(None, None), (128, 0)])
+def test_rows_kernel_equals_reference_both_modes_both_paths(groups, noise_cap):
     rng = np.random.default_rng(1)
     seen_paths = set()
     for crossing in (True, False):
         logits, T, P, K = _rows_batch(rng)
         keys = _keys(rng.integers(0, 2 ** 31, B_ROWS))
-        got, path = _rows_fn(crossing, groups=groups)(keys, logits, T, P, K)
+        got, path = _rows_fn(crossing, groups=groups, noise_cap=noise_cap)(keys, logits, T, P, K)
         want = _ref_rows_fn(crossing)(keys, logits, T, P, K)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         seen_paths |= set(np.asarray(path).tolist())
