@@ -71,7 +71,9 @@ P_BISECT_MAX_TOP_P = 0.9999
 #   cand C: candidate cap of the fast path (pairwise [C, C]); p_bisect: bisection steps of the top-p bound;
 #   noise_rows: tile rows per chunk of the full-row noise (bounds the hash's registers);
 #   noise_cap: the full-row paths draw noise for the kept tokens only, compacted in index order, when at most this
-#   many are kept (one hash per thread at the table's warps; 0: always for the whole row, in noise_rows chunks);
+#   many are kept (0: always for the whole row, in noise_rows chunks). Off until timed on a GPU: 256 for the heads
+#   and 512 for the main token (one hash per thread at the tables' warps) are the bench's "noise_kept" variants;
+#   exact in the CPU tests, no spills under ptxas (sm_90a: heads 224 registers against 211, main 128);
 #   fold_rows_max (rows only): the draw id is folded in-kernel up to this many rows, by one XLA op first above it (the
 #   fold costs registers: 9 head launches of 128 rows were faster folded in-kernel, of 256 rows 130 us against 86 us,
 #   experiments/results/sampling_2026-12-02/3_frame_keys);
@@ -80,11 +82,11 @@ P_BISECT_MAX_TOP_P = 0.9999
 #   62.9 us at 128 rows in sampling_2026-12-02/4_fold_threshold), "groups" above (64 groups compile to ~180-210
 #   registers against ~128, one CTA per SM instead of two, so 256 rows would take two waves).
 TUNING = {
-    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4, "noise_cap": 256,
+    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4, "noise_cap": 0,
              "fold_rows_max": 128, "one_wave_groups": 64, "one_wave_rows_max": 132},
     # main cand 64: 30.3 against 32.8 us for the main launch at 128 rows, same call (sampling_2026-12-03/), and 111.1
     # against 114.1 us for the step in sampling_2026-12-02/
-    "main": {"num_warps": 16, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 8, "noise_cap": 512},
+    "main": {"num_warps": 16, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 8, "noise_cap": 0},
 }
 
 

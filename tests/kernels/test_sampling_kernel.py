@@ -44,8 +44,8 @@ def _ref_rows_fn(crossing: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _main_fn(backend: str, semantic_start: int, eos: int):
-    kw = dict(interpret=True, return_path=True) if backend == "pallas_triton" else {}
+def _main_fn(backend: str, semantic_start: int, eos: int, **tuning):
+    kw = dict(interpret=True, return_path=True, **tuning) if backend == "pallas_triton" else {}
     return jax.jit(functools.partial(api.sample_main, semantic_start=semantic_start, eos_token_id=eos,
                                      ras_temperature=S.RAS_TEMPERATURE, ras_top_k=S.RAS_TOP_K,
                                      ras_top_p=S.RAS_TOP_P, backend=backend, **kw))
@@ -105,9 +105,10 @@ def test_gumbel_at_is_bit_identical_to_jax_random():
 
 
 # ------------------------------------------------------------------------------------------------ exact equality
-# groups None: the one-wave default (64 groups at 48 rows); noise_cap None: the full-row paths draw noise for the kept
-# tokens only when at most 256 are kept (most full-row rows here), else for the whole row; 0: always the whole row
-@pytest.mark.parametrize("groups,noise_cap", [(None, None), (128, 0)])
+# groups None: the one-wave default (64 groups at 48 rows); noise_cap 256: the full-row paths draw noise for the kept
+# tokens only when at most 256 are kept (most full-row rows here), else for the whole row; None: the default (0,
+# always the whole row)
+@pytest.mark.parametrize("groups,noise_cap", [(None, 256), (128, None)])
 def test_rows_kernel_equals_reference_both_modes_both_paths(groups, noise_cap):
     rng = np.random.default_rng(1)
     seen_paths = set()
@@ -121,7 +122,8 @@ def test_rows_kernel_equals_reference_both_modes_both_paths(groups, noise_cap):
     assert seen_paths == {0, 1, 2}, seen_paths     # candidates, full row without / with a 32-step search
 
 
-def test_main_kernel_full_band_equals_reference():
+@pytest.mark.parametrize("noise_cap", [None, 512])  # 512: the kept tokens' noise only, where at most 512 are kept
+def test_main_kernel_full_band_equals_reference(noise_cap):
     """Full size: band 4096 (the tile) + EOS (the scalar tail), realistic and degenerate rows, RAS on a few."""
     rng = np.random.default_rng(3)
     V, B, start, eos = 4097, 8, 151678, 151645
@@ -138,7 +140,7 @@ def test_main_kernel_full_band_equals_reference():
     recent[5, 3] = start + int(np.argmax(rows[5]))
     recent[4, :] = eos
     args = (keys, ras_keys, logits, T, P, K, jnp.asarray(recent))
-    got, path = _main_fn("pallas_triton", start, eos)(*args)
+    got, path = _main_fn("pallas_triton", start, eos, noise_cap=noise_cap)(*args)
     want = _main_fn("reference", start, eos)(*args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     path = np.asarray(path)
@@ -357,16 +359,18 @@ def test_api_dispatch():
 # ------------------------------------------------------------------------------------------------ lowering
 def test_triton_lowering_full_shapes_for_h200():
     """Both kernels lower to one Triton custom call each at Drama 3 shapes (128 streams: main 4097 + RAS window 16,
-    9 x 128 head rows of 4096) for an abstract H200."""
+    9 x 128 head rows of 4096) for an abstract H200, with and without the kept tokens' compacted noise."""
     sd = jax.ShapeDtypeStruct
     B, H = 128, 9
     rows = lower_for_h200(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=False),
                           sd((B * H, 2), u32), sd((B * H, 4096), f32), sd((B * H,), f32), sd((B * H,), f32),
                           sd((B * H,), i32))
-    folded = lower_for_h200(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=False, draw=3),
+    folded = lower_for_h200(functools.partial(pallas_triton.sample_filtered_triton, keep_crossing=False, draw=3,
+                                              noise_cap=256),
                             sd((B, 2), u32), sd((B, 4096), f32), sd((B,), f32), sd((B,), f32), sd((B,), i32))
     main = lower_for_h200(functools.partial(pallas_triton.sample_main_triton, semantic_start=151678,
-                                            eos_token_id=151645, ras_temperature=1.0, ras_top_k=30, ras_top_p=0.95),
+                                            eos_token_id=151645, ras_temperature=1.0, ras_top_k=30, ras_top_p=0.95,
+                                            noise_cap=512),
                           sd((B, 2), u32), sd((B, 2), u32), sd((B, 4097), f32), sd((B,), f32), sd((B,), f32),
                           sd((B,), i32), sd((B, 16), i32))
     for txt in (rows, folded, main):
