@@ -117,15 +117,26 @@ def build(jax, jnp, variant, **kw):
 
     backend = "reference" if variant == "reference" else "pallas_triton"
 
+    def after(keys, prev):
+        """keys, made to depend on the previous draw's ids (+ min(id, 0) = + 0: ids are >= 0, which XLA cannot
+        know): in the model each head's logits come from the tower fed with the previous draw, so the launches run
+        one after another. Without this, the graph's data dependencies alone (CONCURRENT command-buffer scheduling,
+        drama3_jax/xla_flags.py) let the 10 independent launches overlap on the GPU and every launch's profiled
+        duration grows."""
+        return keys + jnp.minimum(prev, 0).astype(keys.dtype)[:, None]
+
     def model_step(inp, frame):   # as frame_step calls them: the frame's keys, the draw ids folded in the kernels
         B = inp["main"].shape[0]
         fkeys = S.frame_keys(inp["req"], jnp.full((B,), frame, jnp.int32))
         T, P, K = inp["temperature"], inp["top_p"], inp["top_k"]
         main = S.sample_main(fkeys, inp["main"], T, P, K, inp["recent"], semantic_start=SEM_START, eos_token_id=EOS,
                              backend=backend, **kw.get("main", {}))
-        codes = jnp.stack([S.sample_head(fkeys, h, inp["head_rows"][h], T, P, K, backend=backend,
-                                         **kw.get("rows", {})) for h in range(HEADS)], axis=1)
-        return main, codes
+        codes, prev = [], main
+        for h in range(HEADS):
+            prev = S.sample_head(after(fkeys, prev), h, inp["head_rows"][h], T, P, K, backend=backend,
+                                 **kw.get("rows", {}))
+            codes.append(prev)
+        return main, jnp.stack(codes, axis=1)
 
     if variant == "per_head":
         return model_step
@@ -146,9 +157,12 @@ def build(jax, jnp, variant, **kw):
                                         rep(T), rep(P), rep(hk), keep_crossing=False, backend=backend,
                                         **kw.get("rows", {})).reshape(B, HEADS)
         else:
-            codes = jnp.stack([api.sample_filtered(ks[:, 2 + h], inp["head_rows"][h], T, P, hk, keep_crossing=False,
-                                                   backend=backend, **kw.get("rows", {}))
-                               for h in range(HEADS)], axis=1)
+            codes, prev = [], main
+            for h in range(HEADS):
+                prev = api.sample_filtered(after(ks[:, 2 + h], prev), inp["head_rows"][h], T, P, hk,
+                                           keep_crossing=False, backend=backend, **kw.get("rows", {}))
+                codes.append(prev)
+            codes = jnp.stack(codes, axis=1)
         return main, codes
 
     return step
