@@ -197,7 +197,8 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
           C: int, NB: int, interpret: bool, load_z, RC: int, NC: int):
     """One filtered Gumbel-max draw from the [R, G] tile z (already temperature-scaled) and, for the main token, the
     scalar tail (_Tail, else None); V counts every token of the row, the tail included. load_z(r0) reloads tile
-    rows [r0, r0 + RC) of z (the full-row noise is drawn in such chunks, to bound the registers the hash needs).
+    rows [r0, r0 + RC) of z (the full-row noise is drawn in such chunks, to bound the registers the hash needs);
+    with NC > 0, when at most NC tokens are kept, the noise is drawn for those only, compacted into [NC] vectors.
     Returns (index, path): path 0 = candidate fast path, 1 = full row without a 32-step search (top-p threshold
     from the bisection band, or no threshold), 2 = full row with a 32-step threshold search."""
     zv = jnp.where(valid, z, NEG_INF)
@@ -317,10 +318,12 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
                            lambda: jnp.minimum(kmin, INT_MIN))
         t = jnp.maximum(t_k, t_p)
 
+        kept = lambda x: (_ordered_key(x) >= t) | (x == m)   # the row max is always kept
+
         def noise_chunk(ci, best):      # running (max of z + G over kept tokens, its lowest index)
             zc, vc, ic = load_z(ci * RC)
             zc = jnp.where(vc, zc, NEG_INF)
-            keep = vc & ((_ordered_key(zc) >= t) | (zc == m))
+            keep = vc & kept(zc)
             w = jnp.where(keep, zc + gumbel_at(k0, k1, ic), NEG_INF)
             cmax = jnp.max(w)
             cidx = jnp.min(jnp.where(w == cmax, ic, INT_MAX))
@@ -330,12 +333,9 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
         def noise_chunked():
             best, out = jax.lax.fori_loop(0, z.shape[0] // RC, noise_chunk, (jnp.minimum(m, NEG_INF), kmin - kmin))
             if tail is not None:        # last index: it wins only when strictly above
-                kept_t = (tkey >= t) | (tz == m)
-                wt = jnp.where(kept_t, tz + gumbel_at(k0, k1, out * 0 + tail.idx), NEG_INF)
+                wt = jnp.where(kept(tz), tz + gumbel_at(k0, k1, out * 0 + tail.idx), NEG_INF)
                 out = jnp.where(wt > best, out * 0 + tail.idx, out)
             return out
-
-        kept = lambda x: (_ordered_key(x) >= t) | (x == m)
 
         def noise_compacted():          # the kept tokens in index order, noise for those only
             cz, cidx, _ = compact(kept, n_keep, C=NC)
