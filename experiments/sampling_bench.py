@@ -125,18 +125,22 @@ def build(jax, jnp, variant, **kw):
         duration grows."""
         return keys + jnp.minimum(prev, 0).astype(keys.dtype)[:, None]
 
+    def chained_heads(main, draw):
+        """[B, HEADS] codes, head h drawn by draw(h, previous ids) after the main token and heads 0 .. h - 1."""
+        codes, prev = [], main
+        for h in range(HEADS):
+            prev = draw(h, prev)
+            codes.append(prev)
+        return jnp.stack(codes, axis=1)
+
     def model_step(inp, frame):   # as frame_step calls them: the frame's keys, the draw ids folded in the kernels
         B = inp["main"].shape[0]
         fkeys = S.frame_keys(inp["req"], jnp.full((B,), frame, jnp.int32))
         T, P, K = inp["temperature"], inp["top_p"], inp["top_k"]
         main = S.sample_main(fkeys, inp["main"], T, P, K, inp["recent"], semantic_start=SEM_START, eos_token_id=EOS,
                              backend=backend, **kw.get("main", {}))
-        codes, prev = [], main
-        for h in range(HEADS):
-            prev = S.sample_head(after(fkeys, prev), h, inp["head_rows"][h], T, P, K, backend=backend,
-                                 **kw.get("rows", {}))
-            codes.append(prev)
-        return main, jnp.stack(codes, axis=1)
+        return main, chained_heads(main, lambda h, prev: S.sample_head(
+            after(fkeys, prev), h, inp["head_rows"][h], T, P, K, backend=backend, **kw.get("rows", {})))
 
     if variant == "per_head":
         return model_step
@@ -157,12 +161,9 @@ def build(jax, jnp, variant, **kw):
                                         rep(T), rep(P), rep(hk), keep_crossing=False, backend=backend,
                                         **kw.get("rows", {})).reshape(B, HEADS)
         else:
-            codes, prev = [], main
-            for h in range(HEADS):
-                prev = api.sample_filtered(after(ks[:, 2 + h], prev), inp["head_rows"][h], T, P, hk,
-                                           keep_crossing=False, backend=backend, **kw.get("rows", {}))
-                codes.append(prev)
-            codes = jnp.stack(codes, axis=1)
+            codes = chained_heads(main, lambda h, prev: api.sample_filtered(
+                after(ks[:, 2 + h], prev), inp["head_rows"][h], T, P, hk, keep_crossing=False, backend=backend,
+                **kw.get("rows", {})))
         return main, codes
 
     return step
