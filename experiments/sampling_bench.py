@@ -357,6 +357,9 @@ PROFILE_VARIANTS = [   # (name, variant, kernel kwargs): per-head launch shape t
     # the full-row paths' noise for the kept tokens only, compacted (TUNING's noise_cap; off by default until timed)
     ("per_head noise_kept", "per_head", {"main": {"noise_cap": 512}, "rows": {"noise_cap": 256}}),
     ("batched noise_kept", "batched", {"main": {"noise_cap": 512}, "rows": {"noise_cap": 256}}),
+    # without the value bisection that raises a loose top-k bound (TUNING's k_bisect; the kernels before 2026-12-06)
+    ("per_head k_bisect0", "per_head", {"main": {"k_bisect": 0}, "rows": {"k_bisect": 0}}),
+    ("batched k_bisect0", "batched", {"main": {"k_bisect": 0}, "rows": {"k_bisect": 0}}),
 ]
 
 

@@ -10,7 +10,8 @@ draw:
   2. A lower bound L on the kept values, so that every kept token has z >= L:
        top-k (1 <= k <= G): L_k = the k-th largest of the G group maxima (group g = lanes g, g + G, g + 2G, ...),
                             by pairwise ranks of the G maxima: at least k tokens are >= L_k, so any token below L_k
-                            has k tokens strictly above it (not kept).
+                            has k tokens strictly above it (not kept). When more than C tokens are >= L_k, a few
+                            bisection steps in value space raise it while #{z >= L_k} >= k still holds.
        otherwise, top-p < 1: a bracket [lo, hi) by bisection in value space on [m - D, m], D = log(V / (1 - top_p))
                             + 1 (tokens more than D below the max hold less than (1 - top_p) / e of the mass, so none
                             is kept): mass(z >= lo) >= top_p + 1e-5 > mass(z >= hi); L = lo.
@@ -69,6 +70,9 @@ P_BISECT_MAX_TOP_P = 0.9999
 # 123 us for all 10 samplings at 128 streams, batched).
 #   groups G: lanes per tile row (the top-k bound uses the k-th largest of G group maxima; top-k <= G for it);
 #   cand C: candidate cap of the fast path (pairwise [C, C]); p_bisect: bisection steps of the top-p bound;
+#   k_bisect: bisection steps that raise a top-k bound leaving more than C candidates (0: such rows take the full-row
+#   path); on the bench's head rows (N(0, 2^2), top-k 30, 64 groups) about 7% of rows had more than 64 candidates
+#   above the group bound, so nearly every 128-row launch waited for one full-row row;
 #   noise_rows: tile rows per chunk of the full-row noise (bounds the hash's registers);
 #   noise_cap: the full-row paths draw noise for the kept tokens only, compacted in index order, when at most this
 #   many are kept (0: always for the whole row, in noise_rows chunks). Off until timed on a GPU: 256 for the heads
@@ -82,11 +86,12 @@ P_BISECT_MAX_TOP_P = 0.9999
 #   62.9 us at 128 rows in sampling_2026-12-02/4_fold_threshold), "groups" above (64 groups compile to ~180-210
 #   registers against ~128, one CTA per SM instead of two, so 256 rows would take two waves).
 TUNING = {
-    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 4, "noise_cap": 0,
-             "fold_rows_max": 128, "one_wave_groups": 64, "one_wave_rows_max": 132},
+    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "k_bisect": 8, "noise_rows": 4,
+             "noise_cap": 0, "fold_rows_max": 128, "one_wave_groups": 64, "one_wave_rows_max": 132},
     # main cand 64: 30.3 against 32.8 us for the main launch at 128 rows, same call (sampling_2026-12-03/), and 111.1
     # against 114.1 us for the step in sampling_2026-12-02/
-    "main": {"num_warps": 16, "groups": 128, "cand": 64, "p_bisect": 12, "noise_rows": 8, "noise_cap": 0},
+    "main": {"num_warps": 16, "groups": 128, "cand": 64, "p_bisect": 12, "k_bisect": 8, "noise_rows": 8,
+             "noise_cap": 0},
 }
 
 
@@ -194,7 +199,7 @@ def _mass_above(cz, cp, base, crossing: bool):
 
 
 def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, si_ref, V: int, G: int,
-          C: int, NB: int, interpret: bool, load_z, RC: int, NC: int):
+          C: int, NB: int, NK: int, interpret: bool, load_z, RC: int, NC: int):
     """One filtered Gumbel-max draw from the [R, G] tile z (already temperature-scaled) and, for the main token, the
     scalar tail (_Tail, else None); V counts every token of the row, the tail included. load_z(r0) reloads tile
     rows [r0, r0 + RC) of z (the full-row noise is drawn in such chunks, to bound the registers the hash needs);
@@ -236,9 +241,29 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
 
     lo, hi = jax.lax.cond(use_p, bisect, lambda: (jnp.minimum(m, NEG_INF), m))
     L = jnp.maximum(L_k, lo)
-    # the candidate count per tile row, reused by the compaction's prefix count
-    c_rows = jnp.sum((valid & (zv >= L)).astype(i32), axis=1)                 # [R]
-    n_c = jnp.sum(c_rows) if tail is None else jnp.sum(c_rows) + (tz >= L).astype(i32)
+
+    def candidates(L):      # the candidate count per tile row ([R], reused by the compaction's prefix count), total
+        c_rows = jnp.sum((valid & (zv >= L)).astype(i32), axis=1)
+        return c_rows, jnp.sum(c_rows) if tail is None else jnp.sum(c_rows) + (tz >= L).astype(i32)
+
+    c_rows, n_c = candidates(L)
+
+    # a loose top-k bound (more than C tokens >= L_k, e.g. a few groups holding many of the top values): raise it by
+    # bisection in value space on [L_k, m), keeping #{z >= L} >= k, so that any token below L still has k tokens
+    # strictly above it; with k <= G this nearly always brings the count to about k, and the row stays on the
+    # candidate path instead of two 32-step searches and the full-row noise
+    def tighten_k():
+        def k_step(_, lohi):
+            lo_, hi_ = lohi
+            mid = 0.5 * (lo_ + hi_)
+            ok = _count(lambda x: x >= mid, zv, valid, tz) >= top_k
+            return jnp.where(ok, mid, lo_), jnp.where(ok, hi_, mid)
+
+        L_t = jax.lax.fori_loop(0, NK, k_step, (L, m))[0]
+        return (L_t, *candidates(L_t))
+
+    if NK:
+        L, c_rows, n_c = jax.lax.cond(use_k & (n_c > C), tighten_k, lambda: (L, c_rows, n_c))
 
     def fast():
         cz, cidx, cm = compact(lambda x: x >= L, n_c, c_rows)
@@ -388,7 +413,7 @@ def _draw_key(key_ref, row, draw):
 
 
 # ------------------------------------------------------------------------------------------------ kernels
-def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C, NB, RC,
+def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C, NB, NK, RC,
                  NC, crossing, draw, interpret):
     row = pl.program_id(0)
     k0, k1 = _draw_key(key_ref, row, draw)
@@ -398,7 +423,7 @@ def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref,
     t = jnp.maximum(t_ref[row], MIN_TEMPERATURE)
     z = _div_rn(x, t, interpret)
     out, path = _draw(z, valid, idx, None, k0, k1, p_ref[row], k_ref[row],
-                      crossing=crossing, row=row, sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB,
+                      crossing=crossing, row=row, sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, NK=NK,
                       interpret=interpret, RC=RC, NC=NC,
                       load_z=functools.partial(_load_chunk, x_ref, row, t, n_tile=V, G=G, RC=RC, interpret=interpret))
     out_ref[row] = out
@@ -406,7 +431,7 @@ def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref,
 
 
 def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_ref, path_ref, sz_ref, si_ref, *, V,
-                 N, G, C, NB, RC, NC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p, draws,
+                 N, G, C, NB, NK, RC, NC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p, draws,
                  interpret):
     """Draw 0 with the request's parameters; draw 1 (RAS parameters, its own key) only when draw 0 gave a semantic
     token that is in the recent window. One loop body, so the draw is compiled once. The band (V - 1 tokens) is the
@@ -435,7 +460,8 @@ def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_
             x = _load_row(x_ref, row, idx, valid)      # (re)loaded per draw: not held across the loop
             tail = _Tail(_load_tail(x_ref, row, V - 1, t, interpret), V - 1)
             i, path = _draw(_div_rn(x, t, interpret), valid, idx, tail, k0, k1, tp, tk, crossing=True, row=row,
-                            sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, interpret=interpret, RC=RC, NC=NC,
+                            sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, NK=NK, interpret=interpret, RC=RC,
+                            NC=NC,
                             load_z=functools.partial(_load_chunk, x_ref, row, t, n_tile=V - 1, G=G, RC=RC,
                                                      interpret=interpret))
             new_id = jnp.where(i == V - 1, eos_token_id, semantic_start + i)
@@ -470,13 +496,13 @@ def _scratch(rows: int, N: int):
 
 def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, draw=None,
                            interpret: bool = False, return_path: bool = False, num_warps=None, groups=None, cand=None,
-                           p_bisect=None, noise_rows=None, noise_cap=None, fold_rows_max=None):
+                           p_bisect=None, k_bisect=None, noise_rows=None, noise_cap=None, fold_rows_max=None):
     """One filtered Gumbel-max draw per row (see reference.sample_filtered). keys [B, 2] uint32 raw keys (frame keys
     with draw: the kernel folds the draw id in); logits [B, V] (any float dtype; read once); temperature,
     top_p [B] float; top_k [B] int. Returns int32 [B] (and, with
     return_path, the path per row, int32 [B]: 0 candidates, 1 full row without a 32-step search, 2 full row with
     one)."""
-    cfg = _params("rows", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
+    cfg = _params("rows", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect, k_bisect=k_bisect,
                                noise_rows=noise_rows, noise_cap=noise_cap, fold_rows_max=fold_rows_max))
     B, V = logits.shape
     if draw is not None and B > cfg["fold_rows_max"]:
@@ -485,8 +511,9 @@ def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_cros
         cfg["groups"] = cfg["one_wave_groups"]
     N, G = _geometry(V, cfg["groups"])
     C = min(_next_pow2(cfg["cand"]), N)
-    kern = functools.partial(_rows_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], RC=_rc(N, G, cfg),
-                             NC=_nc(N, cfg), crossing=keep_crossing, draw=None if draw is None else int(draw), interpret=interpret)
+    kern = functools.partial(_rows_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], NK=cfg["k_bisect"],
+                             RC=_rc(N, G, cfg), NC=_nc(N, cfg), crossing=keep_crossing,
+                             draw=None if draw is None else int(draw), interpret=interpret)
     out, path, _, _ = pl.pallas_call(
         kern, grid=(B,),
         out_shape=(jax.ShapeDtypeStruct((B,), i32), jax.ShapeDtypeStruct((B,), i32)) + _scratch(B, N),
@@ -499,12 +526,12 @@ def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_cros
 def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
                        eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float, draws=None,
                        interpret: bool = False, return_path: bool = False, num_warps=None, groups=None,
-                       cand=None, p_bisect=None, noise_rows=None, noise_cap=None):
+                       cand=None, p_bisect=None, k_bisect=None, noise_rows=None, noise_cap=None):
     """Main token with RAS in one launch (see reference.sample_main; with draws, keys are frame keys, ras_keys None,
     and the kernel folds both draw ids in). recent_main [B, W] int32 (padded with -1 to a
     power of two). With return_path: flags [B] int32: bits 0-1 the first draw's path (0 candidates, 1 full row without
     a 32-step search, 2 full row with one), bit 2 the RAS draw ran, bits 3-4 its path."""
-    cfg = _params("main", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect,
+    cfg = _params("main", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect, k_bisect=k_bisect,
                                noise_rows=noise_rows, noise_cap=noise_cap))
     B, V = band_logits.shape
     if V < 2:
@@ -515,8 +542,8 @@ def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, r
     Wp = _next_pow2(W)
     if Wp != W:
         recent_main = jnp.pad(recent_main, ((0, 0), (0, Wp - W)), constant_values=-1)
-    kern = functools.partial(_main_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], RC=_rc(N, G, cfg), NC=_nc(N, cfg),
-                             W=Wp,
+    kern = functools.partial(_main_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], NK=cfg["k_bisect"],
+                             RC=_rc(N, G, cfg), NC=_nc(N, cfg), W=Wp,
                              semantic_start=int(semantic_start), eos_token_id=int(eos_token_id),
                              ras_temperature=float(ras_temperature), ras_top_k=int(ras_top_k),
                              ras_top_p=float(ras_top_p), interpret=interpret,

@@ -122,6 +122,29 @@ def test_rows_kernel_equals_reference_both_modes_both_paths(groups, noise_cap):
     assert seen_paths == {0, 1, 2}, seen_paths     # candidates, full row without / with a 32-step search
 
 
+def test_rows_kernel_tightens_a_loose_top_k_bound_onto_the_candidate_path():
+    """Rows whose top values crowd into a few of the 64 groups: more than C = 64 tokens lie above the k-th largest
+    group maximum, so the group bound alone would send every row to the full-row path; the value bisection raises
+    the bound and the rows take the candidate path, with the reference's draws."""
+    rng = np.random.default_rng(7)
+    G, C = 64, 64                                     # the one-wave geometry at 48 rows (see the test above)
+    crowded = (np.arange(V_ROWS) % G) < 16            # 16 groups x 5 lanes hold the 80 largest values
+    logits = rng.normal(size=(B_ROWS, V_ROWS)) + np.where(crowded, 6.0, 0.0) * rng.uniform(0.8, 1.2, (B_ROWS, 1))
+    logits = jnp.asarray(logits, f32)
+    T = jnp.asarray(rng.uniform(0.5, 1.5, B_ROWS), f32)
+    P = jnp.asarray(rng.choice([0.5, 0.9, 1.0], B_ROWS), f32)
+    K = jnp.asarray(rng.choice([17, 24, 30], B_ROWS), i32)   # above the 16 crowded groups, within the heads' <= 30
+    z = np.asarray(logits) / np.asarray(T)[:, None]
+    gmax = np.stack([z[:, np.arange(V_ROWS) % G == g].max(axis=1) for g in range(G)], axis=1)
+    L_k = -np.sort(-gmax, axis=1)[np.arange(B_ROWS), np.asarray(K) - 1]
+    assert ((z >= L_k[:, None]).sum(axis=1) > C).all()     # the group bound is loose on every row
+    for crossing in (True, False):
+        keys = _keys(rng.integers(0, 2 ** 31, B_ROWS))
+        got, path = _rows_fn(crossing, groups=None, noise_cap=256)(keys, logits, T, P, K)   # compiled above
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(_ref_rows_fn(crossing)(keys, logits, T, P, K)))
+        assert (np.asarray(path) == 0).all(), path
+
+
 @pytest.mark.parametrize("noise_cap", [None, 512])  # 512: the kept tokens' noise only, where at most 512 are kept
 def test_main_kernel_full_band_equals_reference(noise_cap):
     """Full size: band 4096 (the tile) + EOS (the scalar tail), realistic and degenerate rows, RAS on a few."""
