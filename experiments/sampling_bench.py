@@ -354,7 +354,8 @@ PROFILE_VARIANTS = [   # (name, variant, kernel kwargs): per-head launch shape t
     ("per_head rows_c32", "per_head", {"rows": {"cand": 32}}),
     ("per_head main_w8", "per_head", {"main": {"num_warps": 8}}),
     ("per_head main_c128", "per_head", {"main": {"cand": 128}}),   # the main candidate cap before 2026-12-03
-    # the full-row paths' noise for the kept tokens only, compacted (TUNING's noise_cap; off by default until timed)
+    # the full-row paths' noise for the kept tokens only, compacted (TUNING's noise_cap: main 512 by default since
+    # 2026-12-06, heads 0)
     ("per_head noise_kept", "per_head", {"main": {"noise_cap": 512}, "rows": {"noise_cap": 256}}),
     ("batched noise_kept", "batched", {"main": {"noise_cap": 512}, "rows": {"noise_cap": 256}}),
     # without the value bisection that raises a loose top-k bound (TUNING's k_bisect; the kernels before 2026-12-06)

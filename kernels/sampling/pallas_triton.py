@@ -71,13 +71,15 @@ P_BISECT_MAX_TOP_P = 0.9999
 #   groups G: lanes per tile row (the top-k bound uses the k-th largest of G group maxima; top-k <= G for it);
 #   cand C: candidate cap of the fast path (pairwise [C, C]); p_bisect: bisection steps of the top-p bound;
 #   k_bisect: bisection steps that raise a top-k bound leaving more than C candidates (0: such rows take the full-row
-#   path); on the bench's head rows (N(0, 2^2), top-k 30, 64 groups) about 7% of rows had more than 64 candidates
-#   above the group bound, so nearly every 128-row launch waited for one full-row row;
+#   path, two 32-step searches and the whole row's noise, and a launch lasts as long as its slowest row). For rows
+#   whose top values crowd into a few groups (tests); the bench's random head rows did not need it: on the H200 the
+#   9 head launches took 58.3 with against 57.6 us without (sampling_2026-12-06b/), no measurable cost;
 #   noise_rows: tile rows per chunk of the full-row noise (bounds the hash's registers);
 #   noise_cap: the full-row paths draw noise for the kept tokens only, compacted in index order, when at most this
-#   many are kept (0: always for the whole row, in noise_rows chunks). Off until timed on a GPU: 256 for the heads
-#   and 512 for the main token (one hash per thread at the tables' warps) are the bench's "noise_kept" variants;
-#   exact in the CPU tests, no spills under ptxas (sm_90a: heads 224 registers against 211, main 128);
+#   many are kept (0: always for the whole row, in noise_rows chunks). Main 512 (one hash per thread at 16 warps):
+#   the main launch 26.9 against 27.8 us at 128 rows and 47.7 against 53.1 us at 256 on the H200; heads 0: 256 made
+#   the head launch 6.9 against 6.4 us (more registers; the bench's head rows never take a full-row path)
+#   (sampling_2026-12-06b/, bench variants "per_head noise_kept" / "batched noise_kept");
 #   fold_rows_max (rows only): the draw id is folded in-kernel up to this many rows, by one XLA op first above it (the
 #   fold costs registers: 9 head launches of 128 rows were faster folded in-kernel, of 256 rows 130 us against 86 us,
 #   experiments/results/sampling_2026-12-02/3_frame_keys);
@@ -91,7 +93,7 @@ TUNING = {
     # main cand 64: 30.3 against 32.8 us for the main launch at 128 rows, same call (sampling_2026-12-03/), and 111.1
     # against 114.1 us for the step in sampling_2026-12-02/
     "main": {"num_warps": 16, "groups": 128, "cand": 64, "p_bisect": 12, "k_bisect": 8, "noise_rows": 8,
-             "noise_cap": 0},
+             "noise_cap": 512},
 }
 
 
