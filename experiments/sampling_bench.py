@@ -105,6 +105,15 @@ def make_hard_inputs(jax, jnp, np, B, seed):
     return with_head_rows(inp)
 
 
+def after(keys, prev):
+    """keys [B, 2], made to depend on the previous draw's ids [B] (+ min(id, 0) = + 0: ids are >= 0, which XLA cannot
+    know): in the model each head's logits come from the tower fed with the previous draw, so the launches run one
+    after another. Without this, the graph's data dependencies alone (CONCURRENT command-buffer scheduling,
+    drama3_jax/xla_flags.py) let the 10 independent launches overlap on the GPU and every launch's profiled duration
+    grows."""
+    return keys + prev.clip(max=0).astype(keys.dtype)[:, None]
+
+
 def build(jax, jnp, variant, **kw):
     """step(inp, frame) -> (main ids [B], head codes [B, 9]) for one variant."""
     from drama3_jax import sampling as S
@@ -116,14 +125,6 @@ def build(jax, jnp, variant, **kw):
             jnp.arange(2 + HEADS)))(req)
 
     backend = "reference" if variant == "reference" else "pallas_triton"
-
-    def after(keys, prev):
-        """keys, made to depend on the previous draw's ids (+ min(id, 0) = + 0: ids are >= 0, which XLA cannot
-        know): in the model each head's logits come from the tower fed with the previous draw, so the launches run
-        one after another. Without this, the graph's data dependencies alone (CONCURRENT command-buffer scheduling,
-        drama3_jax/xla_flags.py) let the 10 independent launches overlap on the GPU and every launch's profiled
-        duration grows."""
-        return keys + jnp.minimum(prev, 0).astype(keys.dtype)[:, None]
 
     def chained_heads(main, draw):
         """[B, HEADS] codes, head h drawn by draw(h, previous ids) after the main token and heads 0 .. h - 1."""

@@ -113,6 +113,7 @@ def main(argv=None):
     from jax.experimental.pallas import triton as plt
 
     from experiments.decode_profile import gpu_kernel_events, kernel_names_from_hlo, op_names_from_hlo
+    from experiments.sampling_bench import after
     from kernels.sampling import pallas_triton as PT
     from kernels.sampling.reference import fold_draw
 
@@ -131,11 +132,11 @@ def main(argv=None):
     keys = jnp.asarray(rng.integers(0, 2 ** 32, (B, 2), dtype=np.uint64).astype(np.uint32))
 
     def step_fn(launch):
-        """9 launches, each keyed on the previous one's ids (+ min(id, 0) = + 0), as the tower chains them."""
+        """9 launches, each keyed on the previous one's ids (sampling_bench.after), as the tower chains them."""
         def step(heads, keys):
             prev, out = jnp.zeros((B,), jnp.int32), []
             for h in range(HEADS):
-                prev = launch(h, heads[h], keys + jnp.minimum(prev, 0).astype(jnp.uint32)[:, None])
+                prev = launch(h, heads[h], after(keys, prev))
                 out.append(prev)
             return jnp.stack(out, 1)
         return jax.jit(step)
