@@ -38,6 +38,12 @@ from kernels.router.api import router_topk
 # False: fp32 q / k / v, for A/B runs (experiments/prefill_timing.py --variants packed packed_fp32_qkv).
 GDN_CONV_OUT_IN_MODEL_DTYPE = True
 
+# With fused projections, the GDN decode kernels (q/k/v, a, b) and the router (its logits) read their operands as
+# columns of the one GEMM output: a slice passed to a Pallas call is a copy kernel, 3 per GDN layer and 1 per MoE layer
+# (130 of the ~1,360 kernels of the one-stream decode step, experiments/results/profiles_2026-12-04/decode_1slot/).
+# False: the slices, for A/B runs (experiments/decode_profile.py --variants pallas_bf16_w8a8_fused_sliced_inputs).
+FUSED_OUTPUTS_IN_PLACE = True
+
 
 @dataclasses.dataclass(frozen=True)
 class Backends:
@@ -202,21 +208,28 @@ class GatedDeltaNet(nnx.Module):
         hk, hv, dk, dv = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                           cfg.linear_value_head_dim)
         kd = hk * dk
-        if self.in_proj is not None:
+        fused_decode = decode and self.in_proj is not None and FUSED_OUTPUTS_IN_PLACE
+        if fused_decode:  # the decode kernels read q/k/v, a and b in place from the one GEMM output
+            proj = self.in_proj.project(x, backends.dense)
+            _, z_col, b_col, a_col = self.in_proj.columns
+            z = proj[..., z_col:z_col + self.in_proj.sizes[1]]
+        elif self.in_proj is not None:
             mixed, z, b, a = self.in_proj(x, backends.dense)
         else:
             mixed, z, b, a = (p(x, backends.dense) for p in (self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
                                                               self.in_proj_a))
-        B, T = mixed.shape[:2]
+        B, T = z.shape[:2]
         z = z.reshape(z.shape[:2] + (hv, dv))
         conv_w = self.conv1d.weight[...][:, 0, :]
         with jax.named_scope("gdn_core"):  # profile category (experiments/decode_profile.py)
             if decode:
                 slots = jnp.arange(B, dtype=jnp.int32) if conv_state.shape[0] > B else None  # a pool prefix
+                gates = (dict(a=None, b=None, a_col=a_col, b_col=b_col) if fused_decode
+                         else dict(a=a[:, 0], b=b[:, 0]))
                 o, conv_state, ssm_state = gdn_decode_step(
-                    mixed[:, 0], a[:, 0], b[:, 0], conv_state, ssm_state, conv_w, self.A_log[...],
-                    self.dt_bias[...], num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, slots=slots, v_major=True,
-                    backend=backends.gdn_decode)
+                    (proj if fused_decode else mixed)[:, 0], conv_state=conv_state, ssm_state=ssm_state,
+                    conv_weight=conv_w, A_log=self.A_log[...], dt_bias=self.dt_bias[...], num_k_heads=hk,
+                    head_k_dim=dk, head_v_dim=dv, slots=slots, v_major=True, backend=backends.gdn_decode, **gates)
                 o = o[:, None]
             else:
                 if packing is None:
@@ -299,9 +312,10 @@ class SparseMoe(nnx.Module):
         self.in_proj = nnx.data(FusedLinear([self.gate, se.gate_proj, se.up_proj, self.shared_expert_gate]))
         del self.gate, se.gate_proj, se.up_proj, self.shared_expert_gate
 
-    def route(self, logits, backend: str = "reference"):
-        """Router logits [N, E] fp32 -> (topk_ids [N, k] int32, topk_weights [N, k] fp32) (kernels/router)."""
-        return router_topk(logits, self.top_k, backend=backend)
+    def route(self, logits, backend: str = "reference", num_experts: int | None = None):
+        """Router logits [N, E] fp32 -> (topk_ids [N, k] int32, topk_weights [N, k] fp32) (kernels/router); with
+        num_experts, the logits are the first num_experts columns of a wider array."""
+        return router_topk(logits, self.top_k, num_experts=num_experts, backend=backend)
 
     def __call__(self, x, *, backend: str, act_fp8: bool = False, dense: str = "reference", valid=None,
                  router: str = "reference"):
@@ -313,7 +327,18 @@ class SparseMoe(nnx.Module):
         # the router weights per call; the shared expert's projections round that fp32 result to x.dtype, as their
         # own GEMMs would
         with jax.named_scope("moe_in_proj"):
-            if self.in_proj is not None:
+            num_experts = None
+            if self.in_proj is not None and FUSED_OUTPUTS_IN_PLACE:
+                # the router reads its logits in place from the GEMM output (columns [0, E)): no slice copy
+                proj = self.in_proj.project(xf, dense, out_dtype=jnp.float32)
+                num_experts = self.in_proj.sizes[0]
+                _, c_gate, c_up, c_sg = self.in_proj.columns
+                n_i = self.in_proj.sizes[1]
+                logits = proj
+                sh_gate = proj[:, c_gate:c_gate + n_i].astype(x.dtype)
+                sh_up = proj[:, c_up:c_up + n_i].astype(x.dtype)
+                sg = proj[:, c_sg:c_sg + 1]
+            elif self.in_proj is not None:
                 logits, sh_gate, sh_up, sg = self.in_proj(xf, dense, out_dtype=jnp.float32)
                 sh_gate, sh_up = sh_gate.astype(x.dtype), sh_up.astype(x.dtype)
             else:
@@ -321,7 +346,7 @@ class SparseMoe(nnx.Module):
                 sh_gate, sh_up = se.gate_proj(xf, dense), se.up_proj(xf, dense)
                 sg = self.shared_expert_gate(xf, dense)
         with jax.named_scope("router"):
-            ids, w = self.route(logits, router)
+            ids, w = self.route(logits, router, num_experts)
         with jax.named_scope("moe_experts"):
             weights = self.experts.weights()
             # W8A8 where both GEMMs' K is whole 128-column groups in 128 x 128 weight blocks (not the tiny test

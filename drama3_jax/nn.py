@@ -39,9 +39,15 @@ class FusedLinear(nnx.Module):
         self.sizes = tuple(int(w.shape[0]) for w in ws)
         pad = -sum(self.sizes) % align  # zero rows, so that the GEMM's output rows stay aligned (e.g. 256 + 2 * 512 + 1)
         self.weight = nnx.Param(jnp.concatenate(ws + [jnp.zeros((pad, ws[0].shape[1]), ws[0].dtype)], axis=0))
+        self.columns = tuple(int(c) for c in np.cumsum((0,) + self.sizes[:-1]))  # each member's first output column
+
+    def project(self, x: jax.Array, dense: str = "reference", out_dtype=None) -> jax.Array:
+        """The one GEMM's output [..., sum(out_i) + padding]: member i in columns [columns[i], + sizes[i]). For
+        kernels that read their operands in place (a slice passed to a custom call is a copy kernel)."""
+        return linear(x, self.weight[...], backend=dense, out_dtype=out_dtype)
 
     def __call__(self, x: jax.Array, dense: str = "reference", out_dtype=None) -> list[jax.Array]:
-        y = linear(x, self.weight[...], backend=dense, out_dtype=out_dtype)
+        y = self.project(x, dense, out_dtype)
         return jnp.split(y, np.cumsum(self.sizes).tolist(), axis=-1)[:len(self.sizes)]
 
 

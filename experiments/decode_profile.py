@@ -81,6 +81,11 @@ PATCHES = {
     "pallas_bf16_w8a8_fused_xlashift": ("pallas_bf16_w8a8_fused", [
         ("kernels.gdn.pallas_triton", "TUNING", "decode", {"conv_shift": "xla"}),
     ]),
+    # the GDN decode kernels' and the router's inputs as slices of the fused projections (copies), as before
+    # 2026-12-06's twenty-seventh session
+    "pallas_bf16_w8a8_fused_sliced_inputs": ("pallas_bf16_w8a8_fused", [
+        ("drama3_jax.backbone", "FUSED_OUTPUTS_IN_PLACE", None, False),
+    ]),
 }
 # profile categories, first match wins, on the op_name path of each kernel's HLO instruction
 CATEGORIES = ("sampling", "attention_core", "kv_write", "gdn_core", "moe_experts", "moe_in_proj", "router",

@@ -306,15 +306,20 @@ def test_moe_skips_prompt_padding_without_changing_the_prompt(jax_fp32, tiny_cfg
     assert np.isfinite(h1).all() and not np.array_equal(h1, h0)  # padding rows differ: the mask is really on
 
 
-def test_gdn_kernels_in_the_model_on_the_v_major_cache(jax_fp32, tiny_cfg, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True])
+def test_gdn_kernels_in_the_model_on_the_v_major_cache(jax_fp32, tiny_fp8_dir, tiny_cfg, monkeypatch, fused):
     """Backends(gdn_prefill=gdn_decode="pallas_triton") (interpret mode, fp32 dots) run the model's v-major GDN cache
     ([S, H_v, D_v, D_k]): a ragged prefill, then two decode steps, give the reference backends' hidden states and
-    GDN caches."""
+    GDN caches. Fused: with the in-projections as one GEMM, whose output the decode kernels and the router read in
+    place (columns, not slices)."""
     import dataclasses
     import functools
 
     from drama3_jax.backbone import Backends
     from kernels.gdn import api as gdn_api
+
+    if fused:
+        jax_fp32 = drama3_jax.load_talker(tiny_fp8_dir, dtype=jnp.float32).fuse_projections()
 
     for table, kw in ((gdn_api.PREFILL_BACKENDS, dict(dot="float32")), (gdn_api.DECODE_BACKENDS, {})):
         monkeypatch.setitem(table, "pallas_triton", functools.partial(table["pallas_triton"], interpret=True, **kw))
@@ -322,7 +327,9 @@ def test_gdn_kernels_in_the_model_on_the_v_major_cache(jax_fp32, tiny_cfg, monke
     nxt = jnp.asarray(random_rows(tiny_cfg, 2, 2, seed=10, semantic_from=0))
     lengths = jnp.asarray([6, 4], jnp.int32)
     out = []
-    for b in (Backends(), dataclasses.replace(Backends(), gdn_prefill="pallas_triton", gdn_decode="pallas_triton")):
+    kernels = dict(gdn_prefill="pallas_triton", gdn_decode="pallas_triton",
+                   router="pallas_triton" if fused else "reference")
+    for b in (Backends(), dataclasses.replace(Backends(), **kernels)):
         cache = init_cache(jax_fp32.cfg.text, 2, 32, jnp.float32)
         h, cache = forward_with(jax_fp32, rows, cache, lengths, True, b)
         hs = [h]

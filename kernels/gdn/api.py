@@ -56,11 +56,17 @@ def gdn_prefill(q, k, v, g, beta, initial_state=None, lengths=None, *, offsets=N
 
 
 def gdn_decode_step(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *, num_k_heads: int,
-                    head_k_dim: int, head_v_dim: int, slots=None, v_major: bool = False, backend: str = "reference",
+                    head_k_dim: int, head_v_dim: int, slots=None, v_major: bool = False,
+                    a_col: int | None = None, b_col: int | None = None, backend: str = "reference",
                     **backend_kwargs):
     """Fused single-token GDN step on slot pools; see `reference.gdn_decode_step` for shapes. v_major: the pool holds
     each head's state transposed, [S, H_v, D_v, D_k] (the model's layout: the Pallas kernel's D_k reductions then run
-    along the contiguous axis)."""
+    along the contiguous axis). a_col / b_col (with a, b None): mixed_qkv is the layer's whole fused in-projection
+    output and a, b are read from those columns; the Pallas kernels read the three inputs in place (three slice
+    copies fewer per layer)."""
+    if (a_col is None) != (b_col is None) or (a_col is None) != (a is not None and b is not None):
+        raise ValueError("give either a and b, or a_col and b_col (with a, b None)")
     fn = pick_backend(DECODE_BACKENDS, backend, "GDN", auto="pallas_triton")
     return fn(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, num_k_heads=num_k_heads,
-              head_k_dim=head_k_dim, head_v_dim=head_v_dim, slots=slots, v_major=v_major, **backend_kwargs)
+              head_k_dim=head_k_dim, head_v_dim=head_v_dim, slots=slots, v_major=v_major, a_col=a_col, b_col=b_col,
+              **backend_kwargs)

@@ -178,15 +178,17 @@ def _conv_silu(conv_ref, x_ref, w_ref, slot, bi, off: int, n: int, ksize: int, s
     return _silu_of_conv(rows, w_ref, off, n)
 
 
-def _decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, h):
-    """(e^g, beta) of value head h for row bi: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
-    g = -jnp.exp(alog_ref[h].astype(f32)) * _softplus(a_ref[bi, h].astype(f32) + dtb_ref[h].astype(f32))
-    return jnp.exp(g), jax.nn.sigmoid(b_ref[bi, h].astype(f32))
+def _decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, h, a_off: int, b_off: int):
+    """(e^g, beta) of value head h for row bi: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b); a and b
+    at columns a_off + h, b_off + h of their refs."""
+    g = -jnp.exp(alog_ref[h].astype(f32)) * _softplus(a_ref[bi, a_off + h].astype(f32) + dtb_ref[h].astype(f32))
+    return jnp.exp(g), jax.nn.sigmoid(b_ref[bi, b_off + h].astype(f32))
 
 
 # ==================================================================================================== decode
 def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref, state_ref,
-                        o_ref, state_out_ref, conv_out_ref=None, *, hk, dk, dv, rep, bv, ksize, v_major):
+                        o_ref, state_out_ref, conv_out_ref=None, *, hk, dk, dv, rep, bv, ksize, v_major, a_off,
+                        b_off):
     """One [D_k, bv] state tile per program (grid (stream, value head, D_v slice)): many small independent programs
     instead of a loop over a key head's tiles, so the state traffic is spread over the whole GPU. Each program
     recomputes its key head's conv'd q/k (cheap, L2-resident) and only reads the conv state: programs of one key head
@@ -209,7 +211,7 @@ def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
     q = _l2n(conv(kh * dk, dk, shift_ref=conv_out_ref, shift_when=qk_writer)) * (dk ** -0.5)
     k = _l2n(conv(kd + kh * dk, dk, shift_ref=conv_out_ref, shift_when=qk_writer))
     v = conv(2 * kd + h * dv + j * bv, bv, shift_ref=conv_out_ref)
-    d, beta = _decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, h)
+    d, beta = _decay_beta(alog_ref, dtb_ref, a_ref, b_ref, bi, h, a_off, b_off)
     kd_axis = 1 if v_major else 0  # the D_k axis of the tile
     kb = k[None, :] if v_major else k[:, None]
     kv = d * jnp.sum(s * kb, axis=kd_axis)
@@ -221,7 +223,8 @@ def _decode_tile_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
 
 
 def _decode_prep_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref, conv_ref,
-                        qk_ref, kq_ref, v_ref, d_ref, beta_ref, conv_out_ref, *, hk, dk, dv, rep, ksize, barrier):
+                        qk_ref, kq_ref, v_ref, d_ref, beta_ref, conv_out_ref, *, hk, dk, dv, rep, ksize, barrier,
+                        a_off, b_off):
     """grid="split", launch 1 of 2, grid (stream, key head): everything of the step but the state, once per key head.
     Writes the normalised, scaled q and the normalised k ([B, 2, H_k, D_k] fp32), k . q ([B, H_k]), the conv'd v of
     the `rep` value heads ([B, H_v, D_v] fp32), e^g and beta ([B, H_v] fp32), and shifts this program's conv channels
@@ -240,9 +243,10 @@ def _decode_prep_kernel(slots_ref, x_ref, a_ref, b_ref, w_ref, alog_ref, dtb_ref
     kq_ref[bi, kh] = jnp.sum(k * q)
     heads = pl.ds(kh * rep, rep)
     v_ref[bi, heads, :] = v.reshape(rep, dv)
-    g = -jnp.exp(alog_ref[heads].astype(f32)) * _softplus(a_ref[bi, heads].astype(f32) + dtb_ref[heads].astype(f32))
+    a = a_ref[bi, pl.ds(a_off + kh * rep, rep)].astype(f32)
+    g = -jnp.exp(alog_ref[heads].astype(f32)) * _softplus(a + dtb_ref[heads].astype(f32))
     d_ref[bi, heads] = jnp.exp(g)
-    beta_ref[bi, heads] = jax.nn.sigmoid(b_ref[bi, heads].astype(f32))
+    beta_ref[bi, heads] = jax.nn.sigmoid(b_ref[bi, pl.ds(b_off + kh * rep, rep)].astype(f32))
     # the in-place shift from the rows already in registers, after a barrier: a thread holding a replicated copy of a
     # channel must not overwrite a row another thread has yet to read (an H200 run of an earlier kernel without such a
     # barrier gave wrong results for some tunings)
@@ -279,12 +283,13 @@ def _decode_state_kernel(slots_ref, qk_ref, kq_ref, v_ref, d_ref, beta_ref, stat
 
 
 def _decode_split(slots, mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *, hk, dk, dv, rep,
-                  bv, ksize, v_major, p, interpret):
+                  bv, ksize, v_major, p, interpret, a_off, b_off):
     """grid="split": `_decode_prep_kernel` then `_decode_state_kernel`; both pools updated in place."""
     B = mixed_qkv.shape[0]
     hv = hk * rep
     qk, kq, v, d, beta, conv_state = pl.pallas_call(
-        functools.partial(_decode_prep_kernel, hk=hk, dk=dk, dv=dv, rep=rep, ksize=ksize, barrier=not interpret),
+        functools.partial(_decode_prep_kernel, hk=hk, dk=dk, dv=dv, rep=rep, ksize=ksize, barrier=not interpret,
+                          a_off=a_off, b_off=b_off),
         out_shape=(jax.ShapeDtypeStruct((B, 2, hk, dk), f32), jax.ShapeDtypeStruct((B, hk), f32),
                    jax.ShapeDtypeStruct((B, hv, dv), f32),
                    jax.ShapeDtypeStruct((B, hv), f32), jax.ShapeDtypeStruct((B, hv), f32),
@@ -320,11 +325,13 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
                            num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, interpret: bool = False,
                            bv: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                            grid: str | None = None, v_major: bool | None = None,
-                           conv_shift: str | None = None, prep_num_warps: int | None = None):
+                           conv_shift: str | None = None, prep_num_warps: int | None = None,
+                           a_col: int | None = None, b_col: int | None = None):
     """Fused single-token GDN step on slot pools; same contract as `reference.gdn_decode_step`.
 
     The pools are updated in place (input_output_aliases); only the `slots` rows change. Donate conv_state and
-    ssm_state at the enclosing jit to avoid a copy of the pool."""
+    ssm_state at the enclosing jit to avoid a copy of the pool. With a_col / b_col the kernels read q/k/v, a and b
+    from the one fused projection output (passed three times: no slice copies)."""
     asked = {k: v for k, v in dict(bv=bv, num_warps=num_warps, num_stages=num_stages,
                                    grid=grid, v_major=v_major, conv_shift=conv_shift,
                                    prep_num_warps=prep_num_warps).items() if v is not None}
@@ -332,13 +339,17 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
     if p["grid"] == "split":
         bf16_vmajor = TUNING["decode_split_v_major_bf16_state"] if v_major and ssm_state.dtype == jnp.bfloat16 else {}
         p = _params("decode_split", bf16_vmajor | asked) | {"grid": "split"}
-    B, C = mixed_qkv.shape
-    hv = a.shape[-1]
+    a_off, b_off = (0, 0) if a_col is None else (a_col, b_col)
+    if a_col is not None:
+        a = b = mixed_qkv
+    B, C = mixed_qkv.shape[0], conv_state.shape[-1]
+    hv = A_log.shape[-1]
     hk, dk, dv = num_k_heads, head_k_dim, head_v_dim
     rep = hv // hk
     ksize = conv_weight.shape[-1]
     bv_ = min(p["bv"], dv)
     assert C == 2 * hk * dk + hv * dv and conv_state.shape[1:] == (ksize - 1, C)
+    assert mixed_qkv.shape[1] == C if a_col is None else max(C, a_off + hv, b_off + hv) <= mixed_qkv.shape[1]
     assert ssm_state.shape[1:] == ((hv, dv, dk) if p.get("v_major") else (hv, dk, dv)) and dv % bv_ == 0
     given_slots = slots
     if slots is None:
@@ -349,7 +360,7 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
     if p["grid"] == "split":
         return _decode_split(slots, mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, hk=hk, dk=dk,
                              dv=dv, rep=rep, bv=bv_, ksize=ksize, v_major=p.get("v_major", False), p=p,
-                             interpret=interpret)
+                             interpret=interpret, a_off=a_off, b_off=b_off)
     if p["grid"] == "tiles":
         # the whole pool in the batch: the kernel writes the shifted conv state into a new pool (one XLA op less per
         # layer); a pool prefix keeps the rows past it, so there the XLA shift updates the given rows in place
@@ -360,7 +371,7 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
             out_shape += (jax.ShapeDtypeStruct(conv_state.shape, conv_state.dtype),)
         o, ssm_state, *conv_new = pl.pallas_call(
             functools.partial(_decode_tile_kernel, hk=hk, dk=dk, dv=dv, rep=rep, bv=bv_, ksize=ksize,
-                              v_major=p.get("v_major", False)),
+                              v_major=p.get("v_major", False), a_off=a_off, b_off=b_off),
             out_shape=out_shape,
             grid=(B, hv, dv // bv_),
             input_output_aliases={8: 1},
@@ -368,7 +379,7 @@ def gdn_decode_step_triton(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, 
             interpret=interpret,
             name="gdn_decode_step_tiles",
         )(slots, mixed_qkv, a, b, conv_weight, A_log, dt_bias, conv_state, ssm_state)
-        conv_state = conv_new[0] if shift_in_kernel else _shift_conv_state(conv_state, mixed_qkv, given_slots)
+        conv_state = conv_new[0] if shift_in_kernel else _shift_conv_state(conv_state, mixed_qkv[:, :C], given_slots)
         return o, conv_state, ssm_state
     raise ValueError(f"unknown decode grid {p['grid']!r}: expected 'split' or 'tiles'")
 

@@ -181,14 +181,24 @@ def gdn_gates(a, b, A_log, dt_bias):
     return g, beta
 
 
+def split_fused_decode_input(proj, conv_dim: int, num_v_heads: int, a_col: int, b_col: int):
+    """(a [B, H_v], b [B, H_v], mixed_qkv [B, C]) out of a fused in-projection output [B, W]."""
+    return (proj[:, a_col:a_col + num_v_heads], proj[:, b_col:b_col + num_v_heads], proj[:, :conv_dim])
+
+
 def gdn_decode_step(mixed_qkv, a, b, conv_state, ssm_state, conv_weight, A_log, dt_bias, *,
-                    num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, v_major: bool = False):
+                    num_k_heads: int, head_k_dim: int, head_v_dim: int, slots=None, v_major: bool = False,
+                    a_col: int | None = None, b_col: int | None = None):
     """One token per stream: conv-state update + SiLU, gates, L2 norm, delta-rule update, output.
 
     mixed_qkv [B, 2*H_k*D_k + H_v*D_v] (the in_proj_qkv output, before the conv); a, b [B, H_v];
     conv_state [S, K-1, C] and ssm_state [S, H_v, D_k, D_v] are slot pools (S >= B); `slots` [B] picks each row's
     slot (None: row i is slot i, S == B). Returns (o [B, H_v, D_v] fp32, conv_state, ssm_state) with only the
-    addressed slots changed. v_major: ssm_state holds each head's state transposed, [S, H_v, D_v, D_k]."""
+    addressed slots changed. v_major: ssm_state holds each head's state transposed, [S, H_v, D_v, D_k].
+    Fused in-projection (a, b None; a_col, b_col given): mixed_qkv [B, W] is the whole fused projection output, q/k/v
+    in its first C columns, a and b in columns [a_col, a_col + H_v) and [b_col, b_col + H_v)."""
+    if a_col is not None:
+        a, b, mixed_qkv = split_fused_decode_input(mixed_qkv, conv_state.shape[-1], A_log.shape[-1], a_col, b_col)
     B, Cd = mixed_qkv.shape
     hv = a.shape[-1]
     kd = num_k_heads * head_k_dim

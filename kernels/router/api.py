@@ -17,10 +17,14 @@ from kernels.router.reference import router_topk_reference
 BACKENDS = {"reference": router_topk_reference, "pallas_triton": router_topk_triton}
 
 
-def router_topk(logits, k: int, *, backend: str = "reference", **backend_kwargs):
-    """logits [N, E] (any float dtype) -> (topk_ids [N, k] int32, topk_weights [N, k] fp32), largest first."""
+def router_topk(logits, k: int, *, num_experts: int | None = None, backend: str = "reference", **backend_kwargs):
+    """logits [N, E] (any float dtype) -> (topk_ids [N, k] int32, topk_weights [N, k] fp32), largest first.
+    num_experts: the router logits are the first num_experts columns of a wider `logits` (a fused projection's
+    output, which the Pallas kernel reads in place instead of a slice copy)."""
     fn = pick_backend(BACKENDS, backend, "router", auto="pallas_triton")
-    return fn(logits, k, **backend_kwargs)
+    if num_experts is not None and not 1 <= num_experts <= logits.shape[-1]:
+        raise ValueError(f"num_experts={num_experts} outside the logits' {logits.shape[-1]} columns")
+    return fn(logits, k, num_experts=num_experts, **backend_kwargs)
 
 
 __all__ = ["BACKENDS", "router_topk"]

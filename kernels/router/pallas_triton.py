@@ -70,11 +70,12 @@ def _router_kernel(x_ref, ids_ref, w_ref, *, n, e, k, br, ep, kp):
     plt.store(w_ref.at[pl.ds(row0, br), pl.ds(0, kp)], w, mask=out)
 
 
-def router_topk_triton(logits, k: int, *, block_rows: int | None = None, num_warps: int | None = None,
-                       interpret: bool | None = None):
-    """logits [N, E] -> (ids [N, k] int32, weights [N, k] fp32), as `reference.router_topk_reference`.
-    interpret=None runs the kernel on GPU and in Pallas interpret mode elsewhere."""
-    n, e = logits.shape
+def router_topk_triton(logits, k: int, *, num_experts: int | None = None, block_rows: int | None = None,
+                       num_warps: int | None = None, interpret: bool | None = None):
+    """logits [N, E] -> (ids [N, k] int32, weights [N, k] fp32), as `reference.router_topk_reference`; with
+    num_experts, the first num_experts columns of logits [N, W] (read in place). interpret=None runs the kernel on GPU
+    and in Pallas interpret mode elsewhere."""
+    n, e = logits.shape[0], num_experts or logits.shape[1]
     if not 1 <= k <= e:
         raise ValueError(f"router top-k needs 1 <= k <= E, got k={k}, E={e}")
     br = block_rows or TUNING["block_rows"]

@@ -28,7 +28,7 @@ f32 = jnp.float32
 # jitted references (eager op-by-op dispatch would dominate the test time)
 ref_recurrent = jax.jit(reference.gated_delta_recurrent)
 ref_decode = jax.jit(reference.gdn_decode_step,
-                     static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "v_major"))
+                     static_argnames=("num_k_heads", "head_k_dim", "head_v_dim", "v_major", "a_col", "b_col"))
 ref_conv = jax.jit(reference.causal_conv1d)
 
 
@@ -188,6 +188,33 @@ def test_decode_step_matches_reference(state_dtype, dims, grid):
     assert rel(o, o_r) <= tol
     assert rel(ssm1[slots], ssm_r[slots]) <= tol
     assert rel(ssm1[slots], ssm[slots]) > 1e-3                   # the addressed slots really changed
+
+
+@pytest.mark.parametrize("grid", ["tiles", "split"])
+def test_decode_reads_the_fused_projection_in_place(grid):
+    """a_col / b_col: q/k/v, b and a read from one [B, W] fused in-projection output (the model's column order, then
+    padding) give exactly the result of the separate inputs, in the kernel and in the reference."""
+    hk, hv, dk, dv, S = 2, 4, 32, 32, 5
+    slots = jnp.array([3, 0, 4], jnp.int32)
+    x, a, b, conv, ssm, w, A_log, dt_bias = decode_inputs(21, S, 3, hk, hv, dk, dv)
+    z = jax.random.normal(jax.random.PRNGKey(22), (3, hv * dv), x.dtype)
+    pad = jnp.full((3, 7), 3.0, x.dtype)
+    proj = jnp.concatenate([x, z, b, a, pad], axis=1)
+    b_col = x.shape[1] + z.shape[1]
+    a_col = b_col + hv
+    kw = dict(num_k_heads=hk, head_k_dim=dk, head_v_dim=dv, slots=slots)
+    tune = dict(grid=grid, bv=16)
+    want = kernel_decode(x, a, b, conv, ssm, w, A_log, dt_bias, **tune, **kw)
+    got = kernel_decode(proj, None, None, conv, ssm, w, A_log, dt_bias, a_col=a_col, b_col=b_col, **tune, **kw)
+    for g_, w_ in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g_), np.asarray(w_))
+    ref = ref_decode(proj, None, None, conv, ssm, w, A_log, dt_bias, a_col=a_col, b_col=b_col, **kw)
+    ref_sep = ref_decode(x, a, b, conv, ssm, w, A_log, dt_bias, **kw)
+    for r_, s_ in zip(ref, ref_sep):
+        np.testing.assert_array_equal(np.asarray(r_), np.asarray(s_))
+    assert rel(got[0], ref[0]) <= 1e-5
+    with pytest.raises(ValueError, match="a_col and b_col"):
+        api.gdn_decode_step(proj, None, None, conv, ssm, w, A_log, dt_bias, a_col=a_col, **kw)
 
 
 @pytest.mark.parametrize("grid", ["tiles", "split"])

@@ -35,6 +35,21 @@ def test_kernel_matches_reference(n, e, k, kind):
     assert np.all(np.diff(np.take_along_axis(np.asarray(x, np.float32), np.asarray(ids), 1), axis=1) <= 0)
 
 
+@pytest.mark.parametrize("backend", ["pallas_triton", "reference"])
+def test_logits_read_in_place_from_a_wider_projection(backend):
+    """num_experts: the router logits are the first E columns of a fused projection's output [N, W]; the other
+    columns (larger values here) must not be picked."""
+    x = _logits(37, 256, 5, "normal")
+    wide = jnp.concatenate([x, jnp.full((37, 1088), 50.0, jnp.float32)], axis=1)
+    kw = {"interpret": True} if backend == "pallas_triton" else {}
+    ids, w = router_topk(wide, 8, num_experts=256, backend=backend, **kw)
+    want_ids, want_w = router_topk(x, 8, backend="reference")
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="num_experts"):
+        router_topk(x, 8, num_experts=300, backend=backend)
+
+
 @pytest.mark.parametrize("block_rows", [1, 8, 64])
 def test_block_rows_do_not_change_the_result(block_rows):
     x = _logits(100, 256, 3, "normal")
