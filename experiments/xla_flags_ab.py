@@ -24,8 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 # call -> (script arguments after --out, function(child JSON) -> {figure name: ms})
 CALLS = {
-    "decode": (["experiments/decode_profile.py", "--phase", "timing", "--slots", "128", "1",
-                "--variants", "pallas_bf16_w8a8_fused"], "decode_timing.json",
+    "decode": (["experiments/decode_profile.py", "--phase", "timing", "--variants", "pallas_bf16_w8a8_fused"],
+               "decode_timing.json",
                lambda d: {f"decode {r['slots']} slots": r["step_ms"] for r in d["rows"]}),
     "codec": (["experiments/codec_throughput.py", "--configs", "bfloat16:128:8", "bfloat16:8:4", "--budget-s", "60"],
               "codec_throughput.json",
@@ -71,6 +71,7 @@ def main() -> None:
     ap.add_argument("--set", dest="sets", type=parse_set, action="append", required=True,
                     help="NAME=XLA flags of one set (the first set is the baseline of the table)")
     ap.add_argument("--calls", nargs="+", choices=sorted(CALLS), default=["decode", "codec"])
+    ap.add_argument("--decode-slots", type=int, nargs="+", default=[128, 1])
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no new child after this many seconds")
     ap.add_argument("--child-timeout-s", type=float, default=400.0)
@@ -95,6 +96,8 @@ def main() -> None:
                 out = os.path.join(args.out, name, f"{call}_r{rnd}")
                 os.makedirs(out, exist_ok=True)
                 cmd = [sys.executable, script[0], "--out", out, *script[1:], *args.child_args.split()]
+                if call == "decode":
+                    cmd += ["--slots", *map(str, args.decode_slots)]
                 env = dict(os.environ, XLA_FLAGS=flags)
                 start = time.time()
                 with open(os.path.join(out, "log.txt"), "w") as log:
