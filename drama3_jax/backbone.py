@@ -28,6 +28,7 @@ from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, causal_conv1d_packed, gdn_gates
 from kernels.moe import ExpertWeights, moe_experts
 from kernels.moe.quant import ACT_GROUP
+from kernels.norm.api import add_rms_norm
 from kernels.router.api import router_topk
 
 
@@ -65,7 +66,11 @@ class Backends:
     router: the MoE router's top-k and the softmax of its k logits (kernels/router/api.py). On the H200 the Pallas
     kernel took 16.4 / 15.9 us against lax.top_k + softmax's 24.9 / 34.9 at 128 / 3,072 rows (same ids); the 128-slot
     decode step 17.60 against 17.65 ms and the 3,072-row prefill call 68.40 against 67.70 ms, both within their
-    spread (experiments/results/ab_2026-12-04/). `auto()` picks it: one launch per layer instead of several."""
+    spread (experiments/results/ab_2026-12-04/). `auto()` picks it: one launch per layer instead of several.
+
+    norm: the residual add + post-attention RMSNorm of each layer, with the W8A8 MoE input's e4m3 groups
+    (kernels/norm/api.py): one Pallas launch per layer instead of ~4 XLA kernels; "reference" keeps XLA's ops and
+    lets the MoE quantise its input itself."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
@@ -76,6 +81,7 @@ class Backends:
     dense: str = "reference"
     moe_skip_padding: bool = True
     router: str = "reference"
+    norm: str = "reference"
 
     def __post_init__(self):
         if self.moe_activations not in ("bf16", "fp8"):
@@ -312,14 +318,23 @@ class SparseMoe(nnx.Module):
         self.in_proj = nnx.data(FusedLinear([self.gate, se.gate_proj, se.up_proj, self.shared_expert_gate]))
         del self.gate, se.gate_proj, se.up_proj, self.shared_expert_gate
 
+    def fp8_input_group(self, act_fp8: bool, width: int) -> int | None:
+        """The activation group (128) when the routed experts run W8A8 on inputs of this width: FP8 weights in 128 x
+        128 blocks and both GEMMs' K whole groups (not the tiny test models, whose K is smaller); else None."""
+        w = self.experts
+        fp8 = w.gate_proj.weight.dtype == jnp.float8_e4m3fn and w.block == (ACT_GROUP, ACT_GROUP)
+        ok = act_fp8 and fp8 and width % ACT_GROUP == 0 and w.down_proj.weight.shape[-1] % ACT_GROUP == 0
+        return ACT_GROUP if ok else None
+
     def route(self, logits, backend: str = "reference", num_experts: int | None = None):
         """Router logits [N, E] fp32 -> (topk_ids [N, k] int32, topk_weights [N, k] fp32) (kernels/router); with
         num_experts, the logits are the first num_experts columns of a wider array."""
         return router_topk(logits, self.top_k, num_experts=num_experts, backend=backend)
 
     def __call__(self, x, *, backend: str, act_fp8: bool = False, dense: str = "reference", valid=None,
-                 router: str = "reference"):
-        """x [..., H]; valid: bool of x's leading shape or None (see Backends.moe_skip_padding)."""
+                 router: str = "reference", x_fp8=None):
+        """x [..., H]; valid: bool of x's leading shape or None (see Backends.moe_skip_padding); x_fp8: x's e4m3
+        groups for W8A8 (q [N, H], scale [N, H / 128], kernels/norm), or None (the MoE quantises x itself)."""
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         se = self.shared_expert
@@ -349,12 +364,10 @@ class SparseMoe(nnx.Module):
             ids, w = self.route(logits, router, num_experts)
         with jax.named_scope("moe_experts"):
             weights = self.experts.weights()
-            # W8A8 where both GEMMs' K is whole 128-column groups in 128 x 128 weight blocks (not the tiny test
-            # models, whose K is smaller than a group)
-            I = weights.down.shape[-1]
-            w8a8 = (act_fp8 and weights.is_fp8 and weights.block == (ACT_GROUP, ACT_GROUP)
-                    and xf.shape[-1] % ACT_GROUP == 0 and I % ACT_GROUP == 0)
+            w8a8 = self.fp8_input_group(act_fp8, xf.shape[-1]) is not None
             options = {"act_fp8": True} if w8a8 else {}
+            if w8a8 and x_fp8 is not None:
+                options["x_fp8"] = x_fp8
             routed = moe_experts(xf, ids, w, weights, backend=backend,
                                  valid=None if valid is None else valid.reshape(-1), **options)
         with jax.named_scope("shared_expert"):
@@ -421,9 +434,18 @@ def decoder_layer(layer: DecoderLayer, x, state: tuple, ctx: LayerContext):
         h, conv, ssm = layer.linear_attn(h, *state, ctx.new_lengths, decode=ctx.decode, backends=be,
                                          packing=ctx.packing)
         state = (conv, ssm)
-    x = x + h
-    x = x + layer.mlp(layer.post_attention_layernorm(x), backend=be.moe, act_fp8=be.moe_activations == "fp8",
-                      dense=be.dense, valid=ctx.valid, router=be.router)
+    act_fp8 = be.moe_activations == "fp8"
+    if be.norm == "reference":
+        x = x + h
+        n, x_fp8 = layer.post_attention_layernorm(x), None
+    else:  # one launch: the residual sum, its norm and (W8A8) the norm's e4m3 groups
+        ln, shape = layer.post_attention_layernorm, x.shape
+        group = layer.mlp.fp8_input_group(act_fp8, shape[-1])
+        x, n, *x_fp8 = add_rms_norm(x.reshape(-1, shape[-1]), h.reshape(-1, shape[-1]), ln.weight[...], eps=ln.eps,
+                                    zero_centered=ln.zero_centered, quant_group=group, backend=be.norm)
+        x, n, x_fp8 = x.reshape(shape), n.reshape(shape), tuple(x_fp8) or None
+    x = x + layer.mlp(n, backend=be.moe, act_fp8=act_fp8, dense=be.dense, valid=ctx.valid, router=be.router,
+                      x_fp8=x_fp8)
     return x, state
 
 

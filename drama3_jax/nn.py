@@ -16,6 +16,7 @@ from flax import nnx
 
 from kernels.attention import attention
 from kernels.dense.api import linear
+from kernels.norm.api import rms_norm
 
 
 class Linear(nnx.Module):
@@ -72,14 +73,6 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps, zero_centered=self.zero_centered,
                         out_dtype=out_dtype or x.dtype)
-
-
-def rms_norm(x, weight, eps: float, *, zero_centered: bool = True, out_dtype=None):
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    w = weight.astype(jnp.float32)
-    y = y * (1.0 + w if zero_centered else w)
-    return y.astype(out_dtype or x.dtype)
 
 
 def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:

@@ -366,3 +366,26 @@ def test_backbone_passes_its_router_backend_to_every_moe_layer(jax_fp32, tiny_cf
     x = jnp.asarray(np.random.default_rng(5).standard_normal((9, tiny_cfg.text.hidden_size)), jnp.float32)
     ref, kern = (np.asarray(moe(x, backend="reference", router=r)) for r in ("reference", "pallas_triton"))
     np.testing.assert_array_equal(kern, ref)
+
+
+def test_fused_add_norm_kernel_in_the_model(jax_fp32, tiny_cfg):
+    """Backends.norm="pallas_triton" (interpret mode on the CPU): the residual add + post-attention RMSNorm of every
+    layer as one launch gives the reference ops' hidden states, for a ragged prefill and a decode step."""
+    import dataclasses
+
+    from drama3_jax.backbone import Backends
+
+    rows = jnp.asarray(random_rows(tiny_cfg, 2, 7, seed=31, semantic_from=3))
+    nxt = jnp.asarray(random_rows(tiny_cfg, 2, 1, seed=32, semantic_from=0))
+    lengths = jnp.asarray([7, 5], jnp.int32)
+    out = []
+    for b in (Backends(), dataclasses.replace(Backends(), norm="pallas_triton")):
+        cache = init_cache(jax_fp32.cfg.text, 2, 16, jnp.float32)
+        h, cache = forward_with(jax_fp32, rows, cache, lengths, True, b)
+        h1, _ = forward_with(jax_fp32, nxt, cache, jnp.ones((2,), jnp.int32), False, b)
+        out.append([np.asarray(h), np.asarray(h1)])
+        jaxpr = str(jax.make_jaxpr(lambda r, c: jax_fp32.forward(r, c, lengths, fresh=True, backends=b))(rows, cache))
+        assert ("add_rms_norm" in jaxpr) == (b.norm == "pallas_triton")
+    for ref, got in zip(*out):
+        assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

@@ -300,14 +300,16 @@ def _default_interpret() -> bool:
 
 
 def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, valid=None,
-                              config: TritonMoeConfig | None = None, act_fp8: bool = False,
+                              config: TritonMoeConfig | None = None, act_fp8: bool = False, x_fp8=None,
                               interpret: bool | None = None, y_init=None, return_y: bool = False):
     """Routed-expert layer (see module doc). x [T, H]; topk_ids/topk_weights [T, k]; returns [T, H] in x.dtype.
 
     valid [T] bool (None: every row): rows marked False (prompt padding) are routed to no expert, so the grouped
     GEMMs skip their pairs (the grid's unused blocks exit at once), and their output is 0.
 
-    act_fp8: W8A8 (FP8 weights only), with the W8A8 rows of the tuning table unless `config` is given.
+    act_fp8: W8A8 (FP8 weights only), with the W8A8 rows of the tuning table unless `config` is given. x_fp8: x's e4m3
+    groups (q [T, H], scale [T, H / 128]) made beforehand (kernels/norm fuses them into the layer's RMSNorm), used by
+    the configurations that quantise outside the K loops instead of quantising x here.
     interpret=None runs the real kernel on GPU and Pallas interpret mode elsewhere."""
     T, H = x.shape
     k = topk_ids.shape[1]
@@ -321,7 +323,7 @@ def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, va
     x_scale = act_scale = None
     prequant = act_fp8 and cfg.prequant
     if prequant:
-        xb, x_scale = quantize_groups_fp8(xb)
+        xb, x_scale = quantize_groups_fp8(xb) if x_fp8 is None else x_fp8
     act = gate_up_swiglu_grouped(xb, sched, w, k, cfg, act_fp8=act_fp8, x_scale=x_scale, interpret=interpret)
     if prequant:
         act, act_scale = act

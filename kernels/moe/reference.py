@@ -27,11 +27,17 @@ def gathered_weight(w, scale, ids, block, dtype):
     return (g.astype(jnp.float32) * s).astype(dtype)
 
 
-def moe_experts_reference(x, topk_ids, topk_weights, w: ExpertWeights, *, valid=None, act_fp8: bool = False):
+def moe_experts_reference(x, topk_ids, topk_weights, w: ExpertWeights, *, valid=None, act_fp8: bool = False,
+                          x_fp8=None):
+    """x_fp8 (W8A8): x's e4m3 groups (q [T, H], scale [T, H / 128]) made beforehand (kernels/norm), used as given."""
     if act_fp8 and not w.is_fp8:
         raise ValueError("act_fp8 (W8A8) needs FP8 expert weights")
     cdt = jnp.float32 if (x.dtype == jnp.float32 or act_fp8) else jnp.bfloat16
-    xg = fake_quantize_groups_fp8(x.astype(jnp.bfloat16)) if act_fp8 else x.astype(cdt)
+    if act_fp8 and x_fp8 is not None:
+        q, s = x_fp8
+        xg = (q.astype(jnp.float32).reshape(*s.shape, -1) * s[..., None]).reshape(x.shape)
+    else:
+        xg = fake_quantize_groups_fp8(x.astype(jnp.bfloat16)) if act_fp8 else x.astype(cdt)
     g = gathered_weight(w.gate, w.gate_scale, topk_ids, w.block, cdt)  # [T, k, I, H]
     u = gathered_weight(w.up, w.up_scale, topk_ids, w.block, cdt)
     d = gathered_weight(w.down, w.down_scale, topk_ids, w.block, cdt)  # [T, k, H, I]

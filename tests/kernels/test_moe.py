@@ -288,6 +288,30 @@ def test_pallas_triton_w8a8_prequant_matches_in_kernel_quantisation(T, E, k, rou
     assert rel_err(out, moe_experts_reference(x, ids, tw, w, act_fp8=True)) < TOL
 
 
+def test_w8a8_takes_the_input_groups_made_beforehand():
+    """x_fp8 (the e4m3 groups kernels/norm writes with the layer's RMSNorm): the Pallas layer and the reference use
+    them as given. The same groups as their own quantisation give the same output; other groups (x scaled by 2)
+    change it the way scaling x does."""
+    import dataclasses
+
+    from kernels.moe.quant import quantize_groups_fp8
+
+    cfg = dataclasses.replace(CFG, gu_block_n=128, dn_block_k=128, prequant=True)
+    x, ids, tw, w = _inputs(9, 8, 2, fp8=True)
+    own = moe_experts_pallas_triton(x, ids, tw, w, config=cfg, act_fp8=True, interpret=True)
+    given = moe_experts_pallas_triton(x, ids, tw, w, config=cfg, act_fp8=True, interpret=True,
+                                      x_fp8=quantize_groups_fp8(x.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(given, np.float32), np.asarray(own, np.float32))
+    ref = moe_experts_reference(x, ids, tw, w, act_fp8=True)
+    ref_given = moe_experts_reference(x, ids, tw, w, act_fp8=True, x_fp8=quantize_groups_fp8(x.astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(np.asarray(ref_given, np.float32), np.asarray(ref, np.float32))
+    q2, s2 = quantize_groups_fp8((2 * x).astype(jnp.bfloat16))
+    doubled = moe_experts_pallas_triton(x, ids, tw, w, config=cfg, act_fp8=True, interpret=True, x_fp8=(q2, s2))
+    want = moe_experts_pallas_triton(2 * x, ids, tw, w, config=cfg, act_fp8=True, interpret=True)
+    np.testing.assert_array_equal(np.asarray(doubled, np.float32), np.asarray(want, np.float32))
+    assert rel_err(doubled, own) > 0.1
+
+
 def test_w8a8_prequant_rules():
     import dataclasses
 
