@@ -376,3 +376,24 @@ def test_triton_lowering_full_shapes_for_h200():
         sd((1, N, hv, d), f32), sd((1, N, hv), f32), sd((1, N, hv), f32), sd((B, hv, d, d), f32),
         sd((B,), jnp.int32), sd((B,), jnp.int32))
     assert txt.count("__gpu$xla.gpu.triton") == 3 and "gather" not in txt
+
+
+def test_fused_input_decode_compiles_for_h200_without_spills():
+    """The default decode pair (grid "split", v-major bf16 pool) reading q/k/v, a and b in place from a fused
+    projection output of Drama 3's width: both launches compile to sm_90a (pip triton's ptxas) without spills."""
+    from kernels.h200_lowering import capture_ttirs, compile_ttir
+
+    sd = jax.ShapeDtypeStruct
+    B, hk, hv, d, K = 128, 16, 32, 128, 4
+    C = 2 * hk * d + hv * d
+    W = C + hv * d + 2 * hv
+    bf = jnp.bfloat16
+    ttirs = capture_ttirs(lambda p, c, s, w, al, dt: pallas_triton.gdn_decode_step_triton(
+        p, None, None, c, s, w, al, dt, num_k_heads=hk, head_k_dim=d, head_v_dim=d, v_major=True,
+        a_col=W - hv, b_col=W - 2 * hv), sd((B, W), bf), sd((B, K - 1, C), bf), sd((B, hv, d, d), bf),
+        sd((C, K), bf), sd((hv,), f32), sd((hv,), f32))
+    assert len(ttirs) == 2
+    p = pallas_triton.TUNING["decode_split"] | pallas_triton.TUNING["decode_split_v_major_bf16_state"]
+    for ttir, warps in zip(ttirs, (p["prep_num_warps"], p["num_warps"])):
+        res, _ = compile_ttir(ttir, warps, 1)
+        assert res["spill_bytes"] == 0, res
