@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import datetime
 import os
 import statistics
@@ -36,7 +35,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.common import command_line, log, save_json  # noqa: E402
+from experiments.common import command_line, log, patched, save_json  # noqa: E402
 
 HEADS, V = 9, 4096
 TOP_K, TOP_P = 30, 0.9
@@ -64,18 +63,6 @@ def stand_ins(jnp, PT):
             "no_compaction": {"_compact": compact_cheap}, "no_mass_above": {"_mass_above": mass_above_cheap}}
     subs["all_stubbed"] = {k: v for d in subs.values() for k, v in d.items()}
     return subs
-
-
-@contextlib.contextmanager
-def patched(module, subs: dict):
-    old = {k: getattr(module, k) for k in subs}
-    for k, v in subs.items():
-        setattr(module, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
 
 
 def floor_launch(jax, jnp, pl, plt, logits, interpret):
@@ -155,7 +142,7 @@ def main(argv=None):
 
     lowered = {}
     for name, (launch, subs) in variants.items():     # tracing reads the patched helpers: one at a time
-        with patched(PT, subs):
+        with patched([(PT.__name__, k, None, v) for k, v in subs.items()]):
             lowered[name] = step_fn(launch).lower(heads, keys)
     with cf.ThreadPoolExecutor(args.threads) as ex:
         compiled = dict(zip(lowered, ex.map(lambda lw: lw.compile(), lowered.values())))
