@@ -193,6 +193,17 @@ def _compact(mask, n, zv, idx, *, row, sz_ref, si_ref, C: int, interpret: bool, 
     return cz, cidx, cm
 
 
+def _value_bisect(ok, lo, hi, steps: int):
+    """`steps` halvings of the fp32 bracket [lo, hi) keeping ok(lo) true and ok(hi) false: (lo, hi)."""
+    def step(_, lohi):
+        lo_, hi_ = lohi
+        mid = 0.5 * (lo_ + hi_)
+        good = ok(mid)
+        return jnp.where(good, mid, lo_), jnp.where(good, hi_, mid)
+
+    return jax.lax.fori_loop(0, steps, step, (lo, hi))
+
+
 def _mass_above(cz, cp, base, crossing: bool):
     """base + mass of the listed tokens strictly above (crossing) / at or above (standard) each listed token; [C]."""
     zi, zj = cz[:, None], cz[None, :]
@@ -231,15 +242,9 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
     use_p = jnp.logical_not(use_k) & (top_p <= P_BISECT_MAX_TOP_P)
     target = (top_p + P_MARGIN) * S
 
-    def bisect_step(_, lohi):
-        lo, hi = lohi
-        mid = 0.5 * (lo + hi)
-        ok = mass(lambda x: x >= mid) >= target
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
     def bisect():
         D = jnp.log(jnp.float32(V) / jnp.maximum(1.0 - top_p, 1e-6)) + 1.0
-        return jax.lax.fori_loop(0, NB, bisect_step, (m - D, m))
+        return _value_bisect(lambda mid: mass(lambda x: x >= mid) >= target, m - D, m, NB)
 
     lo, hi = jax.lax.cond(use_p, bisect, lambda: (jnp.minimum(m, NEG_INF), m))
     L = jnp.maximum(L_k, lo)
@@ -255,13 +260,7 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
     # strictly above it; with k <= G this nearly always brings the count to about k, and the row stays on the
     # candidate path instead of two 32-step searches and the full-row noise
     def tighten_k():
-        def k_step(_, lohi):
-            lo_, hi_ = lohi
-            mid = 0.5 * (lo_ + hi_)
-            ok = _count(lambda x: x >= mid, zv, valid, tz) >= top_k
-            return jnp.where(ok, mid, lo_), jnp.where(ok, hi_, mid)
-
-        L_t = jax.lax.fori_loop(0, NK, k_step, (L, m))[0]
+        L_t = _value_bisect(lambda mid: _count(lambda x: x >= mid, zv, valid, tz) >= top_k, L, m, NK)[0]
         return (L_t, *candidates(L_t))
 
     if NK:
