@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import glob
 import gzip
+import hashlib
 import json
 import os
 import re
@@ -362,6 +363,8 @@ def main(argv=None):
             row["roofline_ms"] = sum(r["roofline_ms"] for r in roof.values())
             if args.phase == "timing":
                 back, sync, state = time_step(step, prm, state)
+                out, state = step(prm, state)  # one more step from the timed state: same inputs, same tokens
+                row["tokens_digest"] = hashlib.sha1(np.asarray(out).tobytes()).hexdigest()[:12]
                 row.update(step_ms=back, round_trip_ms=sync, frames_per_s=1e3 * slots / back,
                            audio_s_per_s=1e3 * slots / back / (44100 / 2048))
                 row["pct_roofline"] = 100 * row["roofline_ms"] / back

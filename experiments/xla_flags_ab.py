@@ -5,10 +5,11 @@ fresh process with that environment (`drama3_jax.xla_flags` adds the serving def
 alternate the order of the sets, so drift between the first and the last process does not look like a flag effect.
 
   python experiments/xla_flags_ab.py --out $OUT/flags --calls decode codec \
-      --set base= --set triton_norm=--xla_gpu_experimental_enable_triton_softmax_priority_fusion=true
+      --set base= --set pdl=--xla_gpu_enable_pdl=true
 
 Writes `xla_flags_ab.json` (every child's figures, command, return code) and `xla_flags_ab.md` after each child, and
-keeps each child's log and JSON under OUT/<set>/<call>_r<round>/.
+keeps each child's log and JSON under OUT/<set>/<call>_r<round>/. The decode children also digest the tokens of one
+step after the timed ones; the report says which sets sampled the same tokens as the first.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CALLS = {
     "decode": (["experiments/decode_profile.py", "--phase", "timing", "--variants", "pallas_bf16_w8a8_fused"],
                "decode_timing.json",
-               lambda d: {f"decode {r['slots']} slots": r["step_ms"] for r in d["rows"]}),
+               lambda d: {f"decode {r['slots']} slots": r["step_ms"] for r in d["rows"] if "step_ms" in r}),
     "codec": (["experiments/codec_throughput.py", "--configs", "bfloat16:128:8", "bfloat16:8:4", "--budget-s", "60"],
               "codec_throughput.json",
               lambda d: {f"codec {r['batch']}x{r['chunk_frames']}": r["ms_per_step"] for r in d["results"]}),
@@ -63,6 +64,22 @@ def table(rows: list[dict], names: list[str]) -> str:
             cells.append(cell)
         out.append(f"| {fig} | " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def digest_note(rows: list[dict], base: str) -> str:
+    """Which sets' decode steps sampled the same tokens as the first set's (same state, same number of steps): a
+    flag that only schedules kernels (e.g. PDL) must match; one that changes fusion may round differently."""
+    ref = {}
+    for r in rows:
+        if r["set"] == base:
+            ref.update(r.get("digests", {}))
+    same, differ = set(), set()
+    for r in rows:
+        for fig, d in r.get("digests", {}).items():
+            if r["set"] != base and fig in ref:
+                (same if d == ref[fig] else differ).add(f"{r['set']} ({fig})")
+    return (f"Tokens after the timed decode steps, against `{base}`: the same for {', '.join(sorted(same)) or '-'}; "
+            f"different for {', '.join(sorted(differ)) or '-'}.")
 
 
 def main() -> None:
@@ -110,7 +127,10 @@ def main() -> None:
                        "wall_s": round(time.time() - start, 1), "figures": {}}
                 try:
                     with open(os.path.join(out, result_file)) as f:
-                        row["figures"] = figures(json.load(f))
+                        child = json.load(f)
+                    row["figures"] = figures(child)
+                    row["digests"] = {f"{call} {r['slots']} slots": r["tokens_digest"]
+                                      for r in child.get("rows", []) if "tokens_digest" in r}
                 except (OSError, KeyError, ValueError) as e:
                     row["error"] = f"{type(e).__name__}: {e}"
                 report["rows"].append(row)
@@ -121,8 +141,9 @@ def main() -> None:
                 with open(os.path.join(args.out, "xla_flags_ab.md"), "w") as f:
                     f.write(f"# XLA flag sets A/B ({report['date']})\n\nCommand: `{report['command']}`\n\n")
                     f.write("\n".join(f"- `{n}`: `{fl or '(serving defaults only)'}`" for n, fl in args.sets))
-                    f.write("\n\n" + table(report["rows"], names) + "\n")
+                    f.write("\n\n" + table(report["rows"], names) + "\n\n" + digest_note(report["rows"], names[0]) + "\n")
     print(table(report["rows"], names))
+    print(digest_note(report["rows"], names[0]))
 
 
 if __name__ == "__main__":
