@@ -490,14 +490,16 @@ class Drama3Backbone(nnx.Module):
 
     # -------------------------------------------------------------------------------- the stack
     def forward(self, rows, cache: BackboneCache, new_lengths, *, fresh: bool = False,
-                backends: Backends = Backends(), packing: Packing | None = None):
+                backends: Backends = Backends(), packing: Packing | None = None, active=None):
         """rows [B, T, 1+K] at positions cache.lengths + t; new_lengths [B] valid rows per sequence (right padding).
         `fresh`: the cache rows are empty (prompt prefill), so attention only looks at the new rows.
         T == 1 takes the fused GDN decode step. The cache may hold more rows than B (a slot pool): rows [0, B) are
         these sequences, updated in place, the others untouched. Returns (final-norm hidden [B, T, H], cache).
         With `packing` (drama3_jax/packing.py), rows [1, N, 1+K] are P prompts end to end: cache, new_lengths and the
-        positions are per prompt ([P, ...], B = P and T = packing.seq_len), and the hidden is [1, N, H]."""
-        x, ctx = self.stack_inputs(rows, cache.lengths, new_lengths, fresh=fresh, backends=backends, packing=packing)
+        positions are per prompt ([P, ...], B = P and T = packing.seq_len), and the hidden is [1, N, H].
+        active [B] (decode, T == 1; None: every row): rows with 0 (free slots of a pool) are routed to no expert."""
+        x, ctx = self.stack_inputs(rows, cache.lengths, new_lengths, fresh=fresh, backends=backends, packing=packing,
+                                   active=active)
         types = self.cfg.text.layer_types
         states = layer_states(cache, types)
         for i, layer in enumerate(self.model.language_model.layers):
@@ -505,7 +507,7 @@ class Drama3Backbone(nnx.Module):
         return self.model.language_model.norm(x), with_layer_states(cache, states, types, ctx.new_cache_lengths)
 
     def stack_inputs(self, rows, cache_lengths, new_lengths, *, fresh: bool, backends: Backends,
-                     packing: Packing | None = None) -> tuple[jax.Array, "LayerContext"]:
+                     packing: Packing | None = None, active=None) -> tuple[jax.Array, "LayerContext"]:
         """The embedded rows and what every layer of a forward over them shares (see `forward`)."""
         B, T = (packing.num_seqs, packing.seq_len) if packing is not None else rows.shape[:2]
         start = cache_lengths[:B]
@@ -513,6 +515,8 @@ class Drama3Backbone(nnx.Module):
         valid = None
         if T > 1 and backends.moe_skip_padding:
             valid = packing.valid() if packing is not None else jnp.arange(T)[None, :] < new_lengths[:, None]
+        elif T == 1 and active is not None:
+            valid = active[:, None]
         new_cache_lengths = cache_lengths.at[:B].set(start + new_lengths.astype(jnp.int32))
         return self.embed_rows(rows), LayerContext(positions, start, new_lengths, valid, packing, new_cache_lengths,
                                                    fresh=fresh, decode=T == 1, backends=backends)

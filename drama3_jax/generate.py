@@ -35,7 +35,8 @@ from drama3_jax.sampling import (RAS_WINDOW, SamplingParams, frame_keys, initial
 class DecodeState:
     """Everything a stream carries between frames. h [B, H]: backbone hidden of the last row; row [B, 1+K]: the last
     row; recent [B, W]: RAS window of main tokens; frame [B]: frames generated so far; keys [B, 2] request keys;
-    temperature/top_p [B] float32, top_k [B] int32."""
+    temperature/top_p [B] float32, top_k [B] int32; active [B] int32: 1 for a stream, 0 for a free slot of a pool (its
+    row is still computed, but routed to no expert, so it adds no expert weights to the step's reads)."""
 
     cache: ModelCache
     h: jax.Array
@@ -46,6 +47,7 @@ class DecodeState:
     temperature: jax.Array
     top_p: jax.Array
     top_k: jax.Array
+    active: jax.Array
 
 
 def frame_step(model: Drama3Model, s: DecodeState, backends: Backends = Backends()):
@@ -72,13 +74,14 @@ def frame_step(model: Drama3Model, s: DecodeState, backends: Backends = Backends
                                        backends=backends, compute_heads=True)
     row = jnp.concatenate([main[:, None], model.semantic_code(main)[:, None], codes[:, 0]], axis=-1)
     with jax.named_scope("backbone"):
-        h, bcache = model.forward(row[:, None], s.cache.backbone, ones, backends=backends)
+        h, bcache = model.forward(row[:, None], s.cache.backbone, ones, backends=backends, active=s.active)
     new = DecodeState(cache=ModelCache(bcache, tcache), h=h[:, 0], row=row, recent=push_recent(s.recent, main),
-                      frame=s.frame + 1, keys=s.keys, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+                      frame=s.frame + 1, keys=s.keys, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                      active=s.active)
     return row, new
 
 
-_PER_ROW = ("h", "row", "recent", "frame", "keys", "temperature", "top_p", "top_k")  # DecodeState's [B, ...] fields
+_PER_ROW = ("h", "row", "recent", "frame", "keys", "temperature", "top_p", "top_k", "active")  # DecodeState's [B, ...] fields
 
 
 def frame_step_prefix(model: Drama3Model, s: DecodeState, n: int, backends: Backends = Backends()):
@@ -159,7 +162,8 @@ def start_state(cache: ModelCache, h_last, last_row, recent, sampling: RequestSa
     """The DecodeState after a full prefill: last prompt row [B, 1+K], RAS window [B, W] from the prompt, frame 0."""
     return DecodeState(cache=cache, h=h_last, row=last_row, recent=recent,
                        frame=jnp.zeros(last_row.shape[:1], jnp.int32), keys=sampling.keys,
-                       temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+                       temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                       active=jnp.ones(last_row.shape[:1], jnp.int32))
 
 
 class Prefiller:

@@ -96,8 +96,10 @@ CATEGORIES = ("sampling", "attention_core", "kv_write", "gdn_core", "moe_experts
               "shared_expert", "tower_heads", "lm_head", "tower", "backbone")
 
 
-def make_state(cfg, slots: int, max_len: int, context: int, state_dtype: str, seed: int = 0) -> DecodeState:
-    """A decode pool mid-generation: random caches (never zeros) with ragged lengths around `context`."""
+def make_state(cfg, slots: int, max_len: int, context: int, state_dtype: str, seed: int = 0,
+               active_rows: int = 0) -> DecodeState:
+    """A decode pool mid-generation: random caches (never zeros) with ragged lengths around `context`. active_rows
+    > 0: only the first that many rows hold streams, the others are free slots (DecodeState.active 0)."""
     rng = np.random.default_rng(seed)
     cache = init_model_cache(cfg, slots, max_len, jnp.bfloat16, jnp.dtype(state_dtype))
     key = jax.random.PRNGKey(seed)
@@ -120,7 +122,8 @@ def make_state(cfg, slots: int, max_len: int, context: int, state_dtype: str, se
     h = (jax.random.normal(jax.random.fold_in(key, 10_000), (slots, cfg.text.hidden_size))).astype(jnp.bfloat16)
     return DecodeState(cache=cache, h=h, row=jnp.asarray(row, jnp.int32), recent=jnp.asarray(recent, jnp.int32),
                        frame=jnp.zeros((slots,), jnp.int32), keys=smp.keys, temperature=smp.temperature,
-                       top_p=smp.top_p, top_k=smp.top_k)
+                       top_p=smp.top_p, top_k=smp.top_k,
+                       active=jnp.asarray(np.arange(slots) < (active_rows or slots), jnp.int32))
 
 
 def make_step(graphdef, backends: Backends, rows: int):
@@ -149,8 +152,9 @@ def time_step(step, params, state, windows: int = 5, per_window: int = 8):
 
 
 # ------------------------------------------------------------------------------------------------ rooflines
-def category_rooflines(talker, cfg, slots: int, context: int, state_dtype: str) -> dict:
-    """Fewest bytes / flops each category must move / do per decode step (uniform routing assumed for the experts)."""
+def category_rooflines(talker, cfg, slots: int, context: int, state_dtype: str, active: int = 0) -> dict:
+    """Fewest bytes / flops each category must move / do per decode step (uniform routing assumed for the experts).
+    active > 0: only that many rows are routed to experts (the others are free slots); every row counts elsewhere."""
     t, a = cfg.text, cfg.tower
     by_cat = defaultdict(lambda: [0.0, 0.0])  # bytes, flops
 
@@ -180,9 +184,10 @@ def category_rooflines(talker, cfg, slots: int, context: int, state_dtype: str) 
         by_cat[cat][0] += nbytes
         by_cat[cat][1] += 2.0 * slots * n if x.get_value().ndim >= 2 else 0.0
     expert_params = 3 * t.hidden_size * t.moe_intermediate_size
-    touched = t.num_experts * (1 - (1 - t.num_experts_per_tok / t.num_experts) ** slots)
+    routed = active or slots
+    touched = t.num_experts * (1 - (1 - t.num_experts_per_tok / t.num_experts) ** routed)
     by_cat["moe_experts"] = [t.num_hidden_layers * touched * expert_params * (1 + 3 * 4 / 128 ** 2),
-                             2.0 * t.num_hidden_layers * slots * t.num_experts_per_tok * expert_params]
+                             2.0 * t.num_hidden_layers * routed * t.num_experts_per_tok * expert_params]
     n_gdn, n_attn = len(t.linear_attention_layers), len(t.full_attention_layers)
     state_bytes = t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim * jnp.dtype(
         state_dtype).itemsize
@@ -310,7 +315,9 @@ def main(argv=None):
     ap.add_argument("--phase", choices=["timing", "profile"], default="timing")
     ap.add_argument("--slots", type=int, nargs="+", default=[1, 64, 128, 256])
     ap.add_argument("--variants", nargs="+", default=["pallas_bf16"], choices=sorted(VARIANTS) + sorted(PATCHES))
-    ap.add_argument("--extra", nargs="*", default=[], help="variant@slots pairs timed in addition, e.g. reference@128")
+    ap.add_argument("--extra", nargs="*", default=[],
+                    help="variant@slots[@active] timed in addition, e.g. reference@128, or pallas_bf16@16@1 (a 16-row "
+                         "step holding one stream: the other rows are free slots, routed to no expert)")
     ap.add_argument("--pool", type=int, default=0,
                     help="slot pool size: each step runs over the first --slots rows of a pool this large (the "
                          "server's --decode-sizes); 0 = a pool of exactly --slots")
@@ -338,9 +345,9 @@ def main(argv=None):
     jax.block_until_ready(params)
     log(f"talker built in {time.time() - t:.1f} s")
     fused = None  # (talker, graphdef, params) with fused projections, made on first use (new copies of those weights)
-    runs = [(v, s) for v in args.variants for s in args.slots]
-    runs += [(e.split("@")[0], int(e.split("@")[1])) for e in args.extra]
-    for variant, slots in runs:
+    runs = [(v, s, 0) for v in args.variants for s in args.slots]
+    runs += [(e.split("@")[0], int(e.split("@")[1]), int((e.split("@") + [0])[2])) for e in args.extra]
+    for variant, slots, active in runs:
         if time.time() - t_start > args.budget_s:
             R["rows"].append({"variant": variant, "slots": slots, "skipped": "budget"})
             continue
@@ -351,22 +358,23 @@ def main(argv=None):
         model, gdef, prm = fused if fuse else (talker, graphdef, params)
         pool = max(slots, args.pool)
         row = {"variant": variant, "slots": slots, "pool": pool, "backends": dataclasses.asdict(backends),
-               "ssm_state_dtype": state_dtype}
+               "ssm_state_dtype": state_dtype, "active_rows": active or slots}
         patches = variant_patches(variant)
         try:
-            state = make_state(cfg, pool, args.max_len, args.context, state_dtype)
+            state = make_state(cfg, pool, args.max_len, args.context, state_dtype, active_rows=active or slots)
             step = make_step(gdef, backends, slots)
             t = time.time()
             compiled = step.lower(prm, state).compile()
             row["compile_s"] = round(time.time() - t, 1)
-            roof = category_rooflines(model, cfg, slots, args.context, state_dtype)
+            roof = category_rooflines(model, cfg, slots, args.context, state_dtype, active)
             row["roofline_ms"] = sum(r["roofline_ms"] for r in roof.values())
             if args.phase == "timing":
                 back, sync, state = time_step(step, prm, state)
                 out, state = step(prm, state)  # one more step from the timed state: same inputs, same tokens
                 row["tokens_digest"] = hashlib.sha1(np.asarray(out).tobytes()).hexdigest()[:12]
-                row.update(step_ms=back, round_trip_ms=sync, frames_per_s=1e3 * slots / back,
-                           audio_s_per_s=1e3 * slots / back / (44100 / 2048))
+                streams = active or slots  # frames come from the rows that hold streams
+                row.update(step_ms=back, round_trip_ms=sync, frames_per_s=1e3 * streams / back,
+                           audio_s_per_s=1e3 * streams / back / (44100 / 2048))
                 row["pct_roofline"] = 100 * row["roofline_ms"] / back
             else:
                 p = profile(step, prm, state, compiled.as_text(), args.profile_steps,
@@ -439,7 +447,9 @@ def write_markdown(R: dict, path: str):
             if "step_ms" not in r:
                 lines.append(f"| {r['variant']} | {r['slots']} | {r.get('error') or r.get('skipped')} |||||||")
                 continue
-            n = f"{r['slots']} of {r['pool']}" if r.get("pool", r["slots"]) > r["slots"] else r["slots"]
+            n = f"{r['slots']} of {r['pool']}" if r.get("pool", r["slots"]) > r["slots"] else str(r["slots"])
+            if r.get("active_rows", r["slots"]) < r["slots"]:
+                n += f" ({r['active_rows']} active)"
             lines.append(f"| {r['variant']} | {n} | {r['step_ms']:.2f} | {r['round_trip_ms']:.2f} | "
                          f"{r['frames_per_s']:.0f} | {r['audio_s_per_s']:.1f} | {r['roofline_ms']:.2f} | "
                          f"{r['pct_roofline']:.0f}% | {r['compile_s']} |")

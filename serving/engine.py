@@ -299,12 +299,16 @@ class Engine:
             pool, rows = jax.lax.scan(body, pool, None, length=cfg.frames_per_step)
             return rows, pool
 
+        def mark_free(active, slots):  # free slots' rows route to no expert (DecodeState.active); entries >= S pad
+            return active.at[slots].set(0, mode="drop")
+
         donate = jax.default_backend() != "cpu"
         self.prefiller = Prefiller(model, cfg.max_len, cfg.prefill_chunk, backends,
                                    state_dtype=jnp.dtype(cfg.ssm_state_dtype) if cfg.ssm_state_dtype else None,
                                    by_layer=cfg.prefill_by_layer)
         self._insert = jax.jit(prefill_insert, donate_argnums=(0,) if donate else ())
         self._move = jax.jit(move_slots, donate_argnums=(0,) if donate else ())
+        self._mark_free = jax.jit(mark_free, donate_argnums=(0,) if donate else ())
         self._step = jax.jit(decode_step, static_argnums=(2,), donate_argnums=(1,) if donate else ())
         self._decode_steps = cfg.decode_steps
         self._codec_frames = cfg.codec_buckets  # frame counts of the compiled codec calls (fixed by warm_up)
@@ -365,6 +369,7 @@ class Engine:
                 pad = jnp.full((self.cfg.compact_slots,), S, jnp.int32)
                 self.pool = self._move(self.pool, pad, pad)
                 self.codec_state = self._move(self.codec_state, pad, pad)
+            self._free_on_device([])
             return rows
 
         def codec_step(n, T):  # the serving path on a throwaway state, every row padding
@@ -723,6 +728,7 @@ class Engine:
         src, dst = jnp.asarray(src), jnp.asarray(dst)
         self.pool = self._move(self.pool, src, dst)
         self.codec_state = self._move(self.codec_state, src, dst)
+        self._free_on_device(movers)
         for a, b in zip(movers, free):
             r = self.slots[a]
             self.slots[a], self.slots[b] = None, r
@@ -851,11 +857,20 @@ class Engine:
             with self.lock:
                 self.continuations.append(r)
 
+    def _free_on_device(self, slots):
+        """Mark `slots` free in the pool (DecodeState.active = 0), so the decode steps route their rows to no expert
+        until a prefill inserts a stream there. One compiled shape: the list is padded to S entries."""
+        S = self.cfg.max_streams
+        pad = np.full((S,), S, np.int32)
+        pad[:len(slots)] = slots
+        self.pool = dataclasses.replace(self.pool, active=self._mark_free(self.pool.active, jnp.asarray(pad)))
+
     def _release(self, s: int, status: str):
         r = self.slots[s]
         self.slots[s] = None
         if r is None:
             return
+        self._free_on_device([s])
         r.finished = True
         self.metrics.requests.labels(status=status).inc()
         self.metrics.active.set(self.active_count())

@@ -167,6 +167,34 @@ def test_frame_step_over_a_pool_prefix_equals_the_prefix_alone(model, tok):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a[2:]), b), pool, before)
 
 
+@pytest.mark.parametrize("moe", ["reference", "pallas_triton"])
+def test_free_slots_are_routed_to_no_expert(model, tok, moe):
+    """A pool row marked free (DecodeState.active 0) gets no routed-expert output (its hidden changes), and the other
+    rows' tokens and hidden are bit-for-bit those of the same step with every row active (rows are independent).
+    The Pallas MoE (interpret mode) reads the mask inside its one-program expert schedule."""
+    import dataclasses
+
+    import jax
+
+    from drama3_jax.generate import _prefiller, frame_step
+    cfg = model.cfg
+    prompts = [build_prompt(tok, cfg, "One small step."), build_prompt(tok, cfg, "A free slot's stale row.")]
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    prefill = _prefiller(model, 256, Backends())
+    rows = np.zeros((2, -(-int(lengths.max()) // prefill.chunk) * prefill.chunk, cfg.row_width), np.int32)
+    for i, p in enumerate(prompts):
+        rows[i, :len(p)] = p
+    pool = prefill(rows, lengths, RequestSampling.make([SamplingParams()] * 2, [5, 6]))
+    assert np.asarray(pool.active).tolist() == [1, 1]
+    step = jax.jit(lambda s: frame_step(model, s, Backends(moe=moe)))
+    got, free = step(dataclasses.replace(pool, active=jnp.asarray([1, 0], jnp.int32)))
+    want, full = step(pool)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(free.h[0]), np.asarray(full.h[0]))
+    assert not np.array_equal(np.asarray(free.h[1]), np.asarray(full.h[1]))
+    assert np.asarray(free.active).tolist() == [1, 0]
+
+
 def test_packed_prefill_equals_the_batched_prefill(model, tok):
     """Prompts packed end to end (Prefiller.packed: row-wise layers over the packed rows, attention and the GDN
     recurrence per prompt) give the batched prefill's caches, last hidden and start state, and the same frames after

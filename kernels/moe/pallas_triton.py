@@ -286,12 +286,16 @@ def down_weighted_grouped(act, sched: BlockSchedule, router_w, w: ExpertWeights,
     )(*args)
 
 
-def block_schedule(topk_ids, num_experts: int, block_m: int, interpret: bool) -> BlockSchedule:
+def block_schedule(topk_ids, num_experts: int, block_m: int, interpret: bool, valid=None) -> BlockSchedule:
     """The expert block schedule: one Pallas program for few pairs (single streams, small batches: the XLA chain of
-    small kernels is latency there), XLA otherwise; the same schedule either way."""
+    small kernels is latency there), XLA otherwise; the same schedule either way. valid [T] or None: the pairs of
+    rows marked False / 0 are routed to no expert."""
     few = topk_ids.size <= routing_triton.MAX_PAIRS and num_experts & (num_experts - 1) == 0
     if few:
-        return routing_triton.expert_block_schedule_triton(topk_ids, num_experts, block_m, interpret=interpret)
+        return routing_triton.expert_block_schedule_triton(topk_ids, num_experts, block_m, valid=valid,
+                                                           interpret=interpret)
+    if valid is not None:
+        topk_ids = jnp.where(valid[:, None], topk_ids, num_experts)
     return expert_block_schedule(topk_ids, num_experts, block_m)
 
 
@@ -304,8 +308,8 @@ def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, va
                               interpret: bool | None = None, y_init=None, return_y: bool = False):
     """Routed-expert layer (see module doc). x [T, H]; topk_ids/topk_weights [T, k]; returns [T, H] in x.dtype.
 
-    valid [T] bool (None: every row): rows marked False (prompt padding) are routed to no expert, so the grouped
-    GEMMs skip their pairs (the grid's unused blocks exit at once), and their output is 0.
+    valid [T] bool or int (None: every row): rows marked False / 0 (prompt padding, free decode slots) are routed to
+    no expert, so the grouped GEMMs skip their pairs (the grid's unused blocks exit at once), and their output is 0.
 
     act_fp8: W8A8 (FP8 weights only), with the W8A8 rows of the tuning table unless `config` is given. x_fp8: x's e4m3
     groups (q [T, H], scale [T, H / 128]) made beforehand (kernels/norm fuses them into the layer's RMSNorm), used by
@@ -316,9 +320,7 @@ def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, va
     cfg = config or pick(TRITON_TABLE, T * k, w.is_fp8, act_fp8)
     if interpret is None:
         interpret = _default_interpret()
-    if valid is not None:
-        topk_ids = jnp.where(valid[:, None], topk_ids, w.num_experts)
-    sched = block_schedule(topk_ids, w.num_experts, cfg.block_m, interpret)
+    sched = block_schedule(topk_ids, w.num_experts, cfg.block_m, interpret, valid)
     xb = x.astype(jnp.bfloat16)
     x_scale = act_scale = None
     prequant = act_fp8 and cfg.prequant

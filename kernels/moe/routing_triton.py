@@ -27,9 +27,15 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _schedule_kernel(ids_ref, order_ref, be_ref, r0_ref, nr_ref, *, m, e, bm, nb):
+def _schedule_kernel(ids_ref, *refs, m, e, bm, nb, k):
+    valid_ref = refs[0] if len(refs) == 5 else None
+    order_ref, be_ref, r0_ref, nr_ref = refs[-4:]
     mp, nbp = ids_ref.shape[0], _pow2(nb)
     ids = ids_ref[...]                                                     # [mp]; E: routed nowhere, E + 1: padding
+    if valid_ref is not None:  # pairs of rows marked 0 are routed nowhere (read here: no XLA kernel in front)
+        pair = jnp.arange(mp, dtype=jnp.int32)
+        row_ok = plt.load(valid_ref.at[jnp.minimum(pair // k, valid_ref.shape[0] - 1)]) != 0
+        ids = jnp.where(row_ok | (ids > e), ids, e)
     experts = jnp.arange(e, dtype=jnp.int32)
     hit = ids[:, None] == experts[None, :]                                # [mp, E]
     counts = jnp.sum(hit.astype(jnp.int32), axis=0)                       # [E]
@@ -61,9 +67,10 @@ def _schedule_kernel(ids_ref, order_ref, be_ref, r0_ref, nr_ref, *, m, e, bm, nb
     plt.store(nr_ref.at[b], jnp.where(used, rows, 0), mask=keep)
 
 
-def expert_block_schedule_triton(topk_ids: jax.Array, num_experts: int, block_m: int, *,
+def expert_block_schedule_triton(topk_ids: jax.Array, num_experts: int, block_m: int, *, valid=None,
                                  interpret: bool = False) -> BlockSchedule:
-    """`routing.expert_block_schedule` in one Pallas program; topk_ids [T, k] with T * k <= MAX_PAIRS."""
+    """`routing.expert_block_schedule` in one Pallas program; topk_ids [T, k] with T * k <= MAX_PAIRS. valid [T]
+    (int or bool; None: every row): the pairs of rows with 0 are routed nowhere, as if their ids were E."""
     flat = topk_ids.reshape(-1).astype(jnp.int32)
     m = flat.shape[0]
     if m > MAX_PAIRS:
@@ -72,11 +79,12 @@ def expert_block_schedule_triton(topk_ids: jax.Array, num_experts: int, block_m:
     mp = _pow2(m)
     ids = jnp.concatenate([flat, jnp.full((mp - m,), num_experts + 1, jnp.int32)]) if mp > m else flat
     i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
+    inputs = (ids,) if valid is None else (ids, valid.reshape(-1).astype(jnp.int32))
     order, be, r0, nr = pl.pallas_call(
-        functools.partial(_schedule_kernel, m=m, e=num_experts, bm=block_m, nb=nb),
+        functools.partial(_schedule_kernel, m=m, e=num_experts, bm=block_m, nb=nb, k=topk_ids.shape[-1]),
         out_shape=(i32(m + block_m), i32(nb), i32(nb), i32(nb)),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="moe_block_schedule",
-    )(ids)
+    )(*inputs)
     return BlockSchedule(order=order, block_expert=be, block_row0=r0, block_rows=nr, block_m=block_m)

@@ -181,25 +181,30 @@ def test_block_schedule_order_with_ids_repeated_within_a_token(monkeypatch, orde
     np.testing.assert_array_equal(np.asarray(s.order), want)
 
 
-@pytest.mark.parametrize("backend", ["pallas_triton", "reference", "xla_ragged_dot"])
-def test_padding_rows_are_skipped_and_zero(backend):
-    """valid=False rows (prompt padding) come out 0 and the valid rows exactly as without the mask; the Pallas
-    backend routes the padding rows to no expert, so no (token, slot) row of theirs is computed."""
-    T, E, k = 29, 16, 4
+@pytest.mark.parametrize("backend,T", [("pallas_triton", 29), ("pallas_triton", 6), ("reference", 29),
+                                       ("xla_ragged_dot", 29)])
+def test_padding_rows_are_skipped_and_zero(backend, T):
+    """valid=False rows (prompt padding, free decode slots) come out 0 and the valid rows exactly as without the mask;
+    the Pallas backend routes them to no expert, so no (token, slot) row of theirs is computed. T = 6: few pairs,
+    the one-program schedule reads the mask (as int, as DecodeState.active)."""
+    E, k = 16, 4
     x, ids, tw, w = _inputs(T, E, k, fp8=True)
-    valid = jnp.arange(T) < 17
+    n = 17 if T > 17 else T - 2
+    valid = jnp.arange(T) < n
+    if T <= 8:
+        valid = valid.astype(jnp.int32)
     opts = dict(config=CFG, interpret=True) if backend == "pallas_triton" else {}
     full = api.moe_experts(x, ids, tw, w, backend=backend, **opts)
     out = api.moe_experts(x, ids, tw, w, backend=backend, valid=valid, **opts)
-    assert bool((out[17:] == 0).all()) and bool((out[:17] == full[:17]).all())
-    assert float(jnp.abs(out[:17].astype(jnp.float32)).max()) > 0
+    assert bool((out[n:] == 0).all()) and bool((out[:n] == full[:n]).all())
+    assert float(jnp.abs(out[:n].astype(jnp.float32)).max()) > 0
     if backend == "pallas_triton":  # the padding rows' pairs are never written (the poison stays)
         M = T * k
         y_init = jnp.full((M + CFG.block_m, H), jnp.nan, jnp.bfloat16)
         _, y = moe_experts_pallas_triton(x, ids, tw, w, valid=valid, config=CFG, interpret=True, y_init=y_init,
                                          return_y=True)
         written = np.isfinite(np.asarray(y[:M].astype(jnp.float32))).all(axis=1)
-        np.testing.assert_array_equal(written, np.repeat(np.asarray(valid), k))
+        np.testing.assert_array_equal(written, np.repeat(np.asarray(valid) != 0, k))
 
 
 @pytest.mark.parametrize("T,E,k,bm,routing,masked", [
@@ -223,6 +228,27 @@ def test_one_program_schedule_equals_the_xla_schedule(T, E, k, bm, routing, mask
         np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)), field)
 
 
+@pytest.mark.parametrize("T,E,k,free_rows,as_int", [
+    (1, 256, 8, [0], True),       # one free decode slot
+    (8, 256, 8, [1, 5, 6], True),  # 64 pairs, three free slots
+    (3, 16, 8, [2], False),       # 24 pairs padded to 32 inside the program
+    (5, 8, 2, [], True),          # every row active
+])
+def test_one_program_schedule_takes_a_row_mask(T, E, k, free_rows, as_int):
+    """valid [T] given to the one-program schedule equals routing the masked rows' pairs to no expert (id E) in the
+    XLA schedule, bit for bit; int (DecodeState.active) or bool masks."""
+    from kernels.moe.routing_triton import expert_block_schedule_triton
+
+    ids, _ = random_routing(_key(), T, E, k)
+    valid = np.ones(T, bool)
+    valid[free_rows] = False
+    want = expert_block_schedule(jnp.where(jnp.asarray(valid)[:, None], ids, E), E, 16)
+    mask = jnp.asarray(valid.astype(np.int32) if as_int else valid)
+    got = expert_block_schedule_triton(ids, E, 16, valid=mask, interpret=True)
+    for field in ("order", "block_expert", "block_row0", "block_rows"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)), field)
+
+
 def test_one_program_schedule_is_used_for_few_pairs_and_lowers_for_h200():
     """The MoE layer takes the one-program schedule up to MAX_PAIRS pairs and the XLA one above; the program
     compiles for sm_90a without spills at 8 and 64 pairs; more pairs than it takes are refused."""
@@ -237,6 +263,10 @@ def test_one_program_schedule_is_used_for_few_pairs_and_lowers_for_h200():
     assert "moe_block_schedule" not in kernels_of(MAX_PAIRS // 4 + 1)
     for T in (1, 8):
         (ttir,) = capture_ttirs(lambda i: expert_block_schedule_triton(i, 256, 16).order, jnp.zeros((T, 8), jnp.int32))
+        res, _ = compile_ttir(ttir, 4, 1)
+        assert res["spill_bytes"] == 0, res
+        (ttir,) = capture_ttirs(lambda i, v: expert_block_schedule_triton(i, 256, 16, valid=v).order,
+                                jnp.zeros((T, 8), jnp.int32), jnp.ones((T,), jnp.int32))  # with the row mask
         res, _ = compile_ttir(ttir, 4, 1)
         assert res["spill_bytes"] == 0, res
     with pytest.raises(ValueError, match="at most"):

@@ -106,6 +106,7 @@ def test_same_audio_alone_and_among_31_others(engine):
     texts = [f"Background request number {i}, saying something." for i in range(31)]
     crowd, crowd_codes = run(engine, texts[:20] + [target] + texts[20:], list(range(20)) + [42] + list(range(20, 31)))
     assert engine.active_count() == 0 and steps(32) > 0
+    assert int(np.asarray(engine.pool.active).sum()) == 0  # every slot marked free again: routed to no expert
     np.testing.assert_array_equal(crowd_codes[20], alone_codes)  # the same tokens, bit for bit
     np.testing.assert_allclose(crowd[20], alone, atol=1e-4)  # the codec ran in other batch shapes: float rounding
     # and it is exactly what offline generation + a one-shot codec decode give
