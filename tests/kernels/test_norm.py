@@ -49,14 +49,18 @@ def test_kernel_matches_reference(n, h, group, dtype, zero_centered):
     if group is not None:
         q, s = _f32(got[2]), _f32(got[3])
         q_ref, s_ref = _f32(want[2]), _f32(want[3])
-        np.testing.assert_allclose(s, s_ref, rtol=1e-6)
+        # a group's max may differ by the one bf16 step allowed above, and its scale with it (seen once in 2,048
+        # groups in a CI run); most are equal
+        np.testing.assert_allclose(s, s_ref, rtol=tol)
+        same = s == s_ref
+        assert same.mean() > 0.99
         assert s[n // 2].tolist() == [1.0] * (h // group) and not q[n // 2].any()   # the zero row
         assert np.abs(q).max() == FP8_MAX                          # each group's max maps to the e4m3 max
         # dequantised, within one e4m3 step (3 mantissa bits) of the reference's: rounding boundaries may differ
         deq = (q.reshape(n, -1, group) * s[..., None]).reshape(n, h)
         deq_ref = (q_ref.reshape(n, -1, group) * s_ref[..., None]).reshape(n, h)
         np.testing.assert_allclose(deq, deq_ref, rtol=2 ** -3, atol=1e-6)
-        assert np.mean(q != q_ref) < 1e-3
+        assert np.mean((q != q_ref).reshape(n, -1, group)[same]) < 1e-3    # groups of equal scale: equal codes
 
 
 def test_bad_shapes_are_refused():
