@@ -81,7 +81,8 @@ def frame_step(model: Drama3Model, s: DecodeState, backends: Backends = Backends
     return row, new
 
 
-_PER_ROW = ("h", "row", "recent", "frame", "keys", "temperature", "top_p", "top_k", "active")  # DecodeState's [B, ...] fields
+# DecodeState's [B, ...] fields
+_PER_ROW = ("h", "row", "recent", "frame", "keys", "temperature", "top_p", "top_k", "active")
 
 
 def frame_step_prefix(model: Drama3Model, s: DecodeState, n: int, backends: Backends = Backends()):

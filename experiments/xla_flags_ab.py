@@ -141,7 +141,8 @@ def main() -> None:
                 with open(os.path.join(args.out, "xla_flags_ab.md"), "w") as f:
                     f.write(f"# XLA flag sets A/B ({report['date']})\n\nCommand: `{report['command']}`\n\n")
                     f.write("\n".join(f"- `{n}`: `{fl or '(serving defaults only)'}`" for n, fl in args.sets))
-                    f.write("\n\n" + table(report["rows"], names) + "\n\n" + digest_note(report["rows"], names[0]) + "\n")
+                    f.write("\n\n" + table(report["rows"], names) + "\n\n"
+                            + digest_note(report["rows"], names[0]) + "\n")
     print(table(report["rows"], names))
     print(digest_note(report["rows"], names[0]))
 
