@@ -27,9 +27,8 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _schedule_kernel(ids_ref, *refs, m, e, bm, nb, k):
-    valid_ref = refs[0] if len(refs) == 5 else None
-    order_ref, be_ref, r0_ref, nr_ref = refs[-4:]
+def _schedule_kernel(ids_ref, *refs, m, e, bm, nb, k, masked: bool):
+    valid_ref, (order_ref, be_ref, r0_ref, nr_ref) = (refs[0] if masked else None), refs[-4:]
     mp, nbp = ids_ref.shape[0], _pow2(nb)
     ids = ids_ref[...]                                                     # [mp]; E: routed nowhere, E + 1: padding
     if valid_ref is not None:  # pairs of rows marked 0 are routed nowhere (read here: no XLA kernel in front)
@@ -81,7 +80,8 @@ def expert_block_schedule_triton(topk_ids: jax.Array, num_experts: int, block_m:
     i32 = lambda n: jax.ShapeDtypeStruct((n,), jnp.int32)  # noqa: E731
     inputs = (ids,) if valid is None else (ids, valid.reshape(-1).astype(jnp.int32))
     order, be, r0, nr = pl.pallas_call(
-        functools.partial(_schedule_kernel, m=m, e=num_experts, bm=block_m, nb=nb, k=topk_ids.shape[-1]),
+        functools.partial(_schedule_kernel, m=m, e=num_experts, bm=block_m, nb=nb, k=topk_ids.shape[-1],
+                          masked=valid is not None),
         out_shape=(i32(m + block_m), i32(nb), i32(nb), i32(nb)),
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
