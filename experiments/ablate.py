@@ -127,10 +127,8 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "moe_padding": ("MoE skips the prompt padding of a prefill -> computes it", _backends(moe_skip_padding=False)),
     "sampling_ref": ("fused sampling kernel -> sort-based reference", _backends(sampling="reference")),
     "router_ref": ("Pallas router top-k + softmax kernel -> lax.top_k + softmax", _backends(router="reference")),
-    # candidate (off by default until timed): the residual add + post-attention RMSNorm + the W8A8 MoE input's e4m3
-    # groups as one Pallas launch per layer (kernels/norm)
-    "norm_kernel": ("XLA residual add + RMSNorm, MoE input quantised by the MoE -> one fused Pallas launch",
-                    _backends(norm="auto")),
+    "norm_ref": ("residual add + RMSNorm + the MoE input's e4m3 groups as one Pallas launch -> XLA's ops, the MoE "
+                 "quantising its input", _backends(norm="reference")),
     "ssm_fp32": ("bf16 GDN state -> fp32", lambda c: dataclasses.replace(c, ssm_state_dtype="float32")),
     "four_frames": ("one frame per host call (the server default, pipelined) -> 4 frames per call (multi-frame "
                     "decode: a scan of 4 frame steps in one executable)",

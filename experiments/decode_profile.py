@@ -56,9 +56,10 @@ VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Mod
     # with lax.top_k + softmax for the router instead of the Pallas router kernel (kernels/router)
     "pallas_bf16_w8a8_fused_ref_router": (
         dataclasses.replace(Backends.auto(), moe_activations="fp8", router="reference"), "bfloat16", True),
-    # with the residual add + post-attention RMSNorm + the MoE input's e4m3 groups as one Pallas launch (kernels/norm)
-    "pallas_bf16_w8a8_fused_norm": (
-        dataclasses.replace(Backends.auto(), moe_activations="fp8", norm="auto"), "bfloat16", True),
+    # with XLA's residual add + post-attention RMSNorm and the MoE quantising its input, not the one Pallas launch
+    # of kernels/norm
+    "pallas_bf16_w8a8_fused_ref_norm": (
+        dataclasses.replace(Backends.auto(), moe_activations="fp8", norm="reference"), "bfloat16", True),
     "pallas_bf16_dense": (dataclasses.replace(Backends.auto(), dense="auto"), "bfloat16", False),
     "pallas_bf16_w8a8_dense": (dataclasses.replace(Backends.auto(), moe_activations="fp8", dense="auto"), "bfloat16",
                                False),

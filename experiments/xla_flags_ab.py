@@ -78,8 +78,20 @@ def digest_note(rows: list[dict], base: str) -> str:
         for fig, d in r.get("digests", {}).items():
             if r["set"] != base and fig in ref:
                 (same if d == ref[fig] else differ).add(f"{r['set']} ({fig})")
+    if not same and not differ:  # no decode call, or no set beside the base digested one
+        return ""
     return (f"Tokens after the timed decode steps, against `{base}`: the same for {', '.join(sorted(same)) or '-'}; "
             f"different for {', '.join(sorted(differ)) or '-'}.")
+
+
+def last_line(path: str) -> str:
+    """The last non-empty line of a child's log (its error, when it failed), '' if none."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
 
 
 def main() -> None:
@@ -133,18 +145,26 @@ def main() -> None:
                                       for r in child.get("rows", []) if "tokens_digest" in r}
                 except (OSError, KeyError, ValueError) as e:
                     row["error"] = f"{type(e).__name__}: {e}"
+                if rc != 0:
+                    row["log_tail"] = last_line(os.path.join(out, "log.txt"))
                 report["rows"].append(row)
                 print(f"[{time.time() - t0:7.1f}s] {name:>16} {call:>8} r{rnd} rc={rc} {row['wall_s']}s "
-                      f"{json.dumps(row['figures'])}", flush=True)
+                      f"{json.dumps(row['figures'])}" + (f" | {row['log_tail']}" if rc != 0 else ""), flush=True)
                 with open(os.path.join(args.out, "xla_flags_ab.json"), "w") as f:
                     json.dump(report, f, indent=1)
                 with open(os.path.join(args.out, "xla_flags_ab.md"), "w") as f:
                     f.write(f"# XLA flag sets A/B ({report['date']})\n\nCommand: `{report['command']}`\n\n")
                     f.write("\n".join(f"- `{n}`: `{fl or '(serving defaults only)'}`" for n, fl in args.sets))
-                    f.write("\n\n" + table(report["rows"], names) + "\n\n"
-                            + digest_note(report["rows"], names[0]) + "\n")
+                    f.write("\n\n" + table(report["rows"], names) + "\n")
+                    if note := digest_note(report["rows"], names[0]):
+                        f.write("\n" + note + "\n")
+                    for r in report["rows"]:
+                        if r["rc"] != 0:
+                            f.write(f"\n`{r['set']}` {r['call']} round {r['round']} failed (rc {r['rc']}): "
+                                    f"{r.get('log_tail') or '(no log)'}\n")
     print(table(report["rows"], names))
-    print(digest_note(report["rows"], names[0]))
+    if note := digest_note(report["rows"], names[0]):
+        print(note)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """experiments/xla_flags_ab.py: the report's table and its token-digest comparison (pure functions; no children)."""
 
-from experiments.xla_flags_ab import digest_note, parse_set, table
+from experiments.xla_flags_ab import digest_note, last_line, parse_set, table
 
 ROWS = [
     {"set": "base", "figures": {"decode 128 slots": 17.0}, "digests": {"decode 128 slots": "aa"}},
@@ -31,3 +31,15 @@ def test_digest_note_names_the_sets_that_sampled_other_tokens():
     note = digest_note(ROWS, "base")
     assert "the same for pdl (decode 128 slots)" in note
     assert "different for fusion (decode 128 slots)" in note
+
+
+def test_digest_note_is_empty_without_decode_digests():
+    assert digest_note([{"set": "base", "figures": {"codec 8x4": 5.0}},
+                        {"set": "conv", "figures": {}}], "base") == ""
+
+
+def test_last_line_of_a_failed_child_log(tmp_path):
+    log = tmp_path / "log.txt"
+    log.write_text("compiling\nXlaRuntimeError: INTERNAL: bad flag\n\n")
+    assert last_line(str(log)) == "XlaRuntimeError: INTERNAL: bad flag"
+    assert last_line(str(tmp_path / "missing.txt")) == ""
