@@ -60,6 +60,10 @@ W8A8_DECODE_VARIANTS = {  # one knob at a time around its decode base (the FP8 d
     "dn_bn128,dn_w4": dict(dn_block_n=128, dn_warps=4),
     "gu_bn128": dict(gu_block_n=128),
     "gu_bn32,gu_w2": dict(gu_block_n=32, gu_warps=2),
+    # one stream (8 pairs): the table's prequant row gives gate/up only I/128 = 4 programs per expert, 32 in all (15.8
+    # us per layer on an H100 for 16.8 MB of weights, experiments/results/decode_2026-12-07_h100/); 16-column tiles
+    # give 256
+    "gu_bn16,gu_w1": dict(gu_block_n=16, gu_warps=1),
     "gu_s3": dict(gu_stages=3),
     "gu_s6": dict(gu_stages=6),
     "gu_w8": dict(gu_warps=8),
