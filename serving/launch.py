@@ -22,8 +22,10 @@ log = logging.getLogger("serving")
 
 
 # Decode sizes for a full-size model: on the H200 at 128 streams, 172.3 / 172.1 audio s/s against 164.4 / 164.9 with
-# whole-pool steps in two pairs of runs (experiments/results/serve_bench_17/, serve_bench_18/)
-FULL_SIZE_DECODE_SIZES = (16, 32, 64)
+# whole-pool steps in two pairs of runs (experiments/results/serve_bench_17/, serve_bench_18/). 1: a lone stream (moved
+# down to slot 0) steps alone: 4.55 ms against 5.93 for one stream in a 16-row step, in one process on an H100
+# (experiments/results/decode_2026-12-07_h100/), for one more compiled step
+FULL_SIZE_DECODE_SIZES = (1, 16, 32, 64)
 
 
 def resolve_decode_sizes(requested, max_streams: int, full_size: bool) -> tuple[int, ...]:

@@ -5,8 +5,8 @@ from serving.launch import FULL_SIZE_DECODE_SIZES, build_parser, resolve_decode_
 def test_decode_sizes_default_by_model_size_and_explicit_values_win():
     parse = lambda *a: build_parser().parse_args(list(a)).decode_sizes
     assert parse() is None and parse("--decode-sizes") == [] and parse("--decode-sizes", "8", "24") == [8, 24]
-    assert resolve_decode_sizes(None, 128, full_size=True) == FULL_SIZE_DECODE_SIZES == (16, 32, 64)
-    assert resolve_decode_sizes(None, 64, full_size=True) == (16, 32)   # sizes at or above the pool are dropped
+    assert resolve_decode_sizes(None, 128, full_size=True) == FULL_SIZE_DECODE_SIZES == (1, 16, 32, 64)
+    assert resolve_decode_sizes(None, 64, full_size=True) == (1, 16, 32)   # sizes at or above the pool are dropped
     assert resolve_decode_sizes(None, 128, full_size=False) == ()       # the tiny model: whole-pool steps only
     assert resolve_decode_sizes([], 128, full_size=True) == ()          # `--decode-sizes` alone: whole pool
     assert resolve_decode_sizes([8, 24], 128, full_size=False) == (8, 24)
