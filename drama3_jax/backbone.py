@@ -72,7 +72,11 @@ class Backends:
     (kernels/norm/api.py): one Pallas launch per layer instead of ~4 XLA kernels; "reference" keeps XLA's ops and
     lets the MoE quantise its input itself. `auto()` picks it: on an H100 the decode step took 17.15 against 17.40 /
     17.42 ms at 64 slots and 4.49 / 4.54 against 4.55 / 4.67 / 5.28 ms at one slot, each in one process
-    (experiments/results/decode_2026-12-07_h100/; the H200 and the prefill call not yet timed)."""
+    (experiments/results/decode_2026-12-07_h100/; the H200 and the prefill call not yet timed).
+
+    norm_at_input (with a norm kernel): each layer's MoE output is added to the residual stream by the next layer's
+    input RMSNorm launch (and the last one by the final norm's) instead of an XLA add and XLA's norm ops; off until
+    timed (experiments/decode_profile.py variant pallas_bf16_w8a8_fused_norm_at_input)."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
@@ -84,6 +88,7 @@ class Backends:
     moe_skip_padding: bool = True
     router: str = "reference"
     norm: str = "reference"
+    norm_at_input: bool = False
 
     def __post_init__(self):
         if self.moe_activations not in ("bf16", "fp8"):
@@ -424,11 +429,24 @@ def with_layer_states(cache: BackboneCache, states: list[tuple], layer_types, le
                          ssm=[s for _, s in gdn], lengths=lengths)
 
 
-def decoder_layer(layer: DecoderLayer, x, state: tuple, ctx: LayerContext):
+def _add_norm(ln: RMSNorm, x, residual, backend: str, quant_group: int | None = None):
+    """(x + residual, ln(x + residual)[, its e4m3 groups]) as one norm-kernel launch; x, residual [..., H]."""
+    shape = x.shape
+    s, n, *q = add_rms_norm(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), ln.weight[...], eps=ln.eps,
+                            zero_centered=ln.zero_centered, quant_group=quant_group, backend=backend)
+    return s.reshape(shape), n.reshape(shape), tuple(q) or None
+
+
+def decoder_layer(layer: DecoderLayer, x, state: tuple, ctx: LayerContext, pending=None):
     """One decoder layer on x [B, T, H] (or packed [1, N, H]): pre-norm token mixer with its cache entries `state`
-    ((k, v) or (conv, ssm)), residual, pre-norm sparse MoE, residual. Returns (x, state)."""
+    ((k, v) or (conv, ssm)), residual, pre-norm sparse MoE, residual. `pending`: the previous layer's MoE output not
+    yet in x, or None. Returns (x, state, pending): with Backends.norm_at_input and a norm kernel, this layer's MoE
+    output is not added to x but returned (`finish_stack` adds it), else it is added and pending is None."""
     be = ctx.backends
-    h = layer.input_layernorm(x)
+    if pending is None:
+        h = layer.input_layernorm(x)
+    else:
+        x, h, _ = _add_norm(layer.input_layernorm, x, pending, be.norm)
     if layer.layer_type == "full_attention":
         h, k, v = layer.self_attn(h, ctx.positions, *state, ctx.start, ctx.new_lengths, fresh=ctx.fresh,
                                   backend=be.attention, dense=be.dense, packing=ctx.packing)
@@ -442,14 +460,19 @@ def decoder_layer(layer: DecoderLayer, x, state: tuple, ctx: LayerContext):
         x = x + h
         n, x_fp8 = layer.post_attention_layernorm(x), None
     else:  # one launch: the residual sum, its norm and (W8A8) the norm's e4m3 groups
-        ln, shape = layer.post_attention_layernorm, x.shape
-        group = layer.mlp.fp8_input_group(act_fp8, shape[-1])
-        x, n, *x_fp8 = add_rms_norm(x.reshape(-1, shape[-1]), h.reshape(-1, shape[-1]), ln.weight[...], eps=ln.eps,
-                                    zero_centered=ln.zero_centered, quant_group=group, backend=be.norm)
-        x, n, x_fp8 = x.reshape(shape), n.reshape(shape), tuple(x_fp8) or None
-    x = x + layer.mlp(n, backend=be.moe, act_fp8=act_fp8, dense=be.dense, valid=ctx.valid, router=be.router,
-                      x_fp8=x_fp8)
-    return x, state
+        group = layer.mlp.fp8_input_group(act_fp8, x.shape[-1])
+        x, n, x_fp8 = _add_norm(layer.post_attention_layernorm, x, h, be.norm, group)
+    m = layer.mlp(n, backend=be.moe, act_fp8=act_fp8, dense=be.dense, valid=ctx.valid, router=be.router, x_fp8=x_fp8)
+    if be.norm_at_input and be.norm != "reference":
+        return x, state, m
+    return x + m, state, None
+
+
+def finish_stack(norm: RMSNorm, x, pending, backends: Backends):
+    """The final norm of the stack's output x [..., H], with the last layer's pending MoE output (or None) added."""
+    if pending is None:
+        return norm(x)
+    return _add_norm(norm, x, pending, backends.norm)[1]
 
 
 class TextModel(nnx.Module):
@@ -505,9 +528,11 @@ class Drama3Backbone(nnx.Module):
                                    active=active)
         types = self.cfg.text.layer_types
         states = layer_states(cache, types)
+        pending = None
         for i, layer in enumerate(self.model.language_model.layers):
-            x, states[i] = decoder_layer(layer, x, states[i], ctx)
-        return self.model.language_model.norm(x), with_layer_states(cache, states, types, ctx.new_cache_lengths)
+            x, states[i], pending = decoder_layer(layer, x, states[i], ctx, pending)
+        hidden = finish_stack(self.model.language_model.norm, x, pending, backends)
+        return hidden, with_layer_states(cache, states, types, ctx.new_cache_lengths)
 
     def stack_inputs(self, rows, cache_lengths, new_lengths, *, fresh: bool, backends: Backends,
                      packing: Packing | None = None, active=None) -> tuple[jax.Array, "LayerContext"]:

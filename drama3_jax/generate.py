@@ -213,8 +213,9 @@ class Prefiller:
             return model.stack_inputs(rows, cache_lengths, lengths, fresh=True, backends=backends, packing=packing)
 
         def prefill_packed_layer(gd, tree, leaves, x, state, ctx):
-            with jax.named_scope("backbone"):
-                return decoder_layer(nnx.merge(gd, jax.tree.unflatten(tree, leaves)), x, state, ctx)
+            with jax.named_scope("backbone"):  # one call per layer: the MoE output is added here (no pending)
+                x, state, pending = decoder_layer(nnx.merge(gd, jax.tree.unflatten(tree, leaves)), x, state, ctx)
+                return (x if pending is None else x + pending), state
 
         def prefill_packed_finish(leaves, x, tower_cache, rows, next_rows, lengths, packing):
             model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, leaves))

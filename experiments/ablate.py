@@ -127,6 +127,9 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "moe_padding": ("MoE skips the prompt padding of a prefill -> computes it", _backends(moe_skip_padding=False)),
     "sampling_ref": ("fused sampling kernel -> sort-based reference", _backends(sampling="reference")),
     "router_ref": ("Pallas router top-k + softmax kernel -> lax.top_k + softmax", _backends(router="reference")),
+    # candidate (off by default until timed)
+    "norm_at_input": ("MoE output added by XLA before the next layer's input RMSNorm -> both in the norm kernel's "
+                      "launch", _backends(norm_at_input=True)),
     "norm_ref": ("residual add + RMSNorm + the MoE input's e4m3 groups as one Pallas launch -> XLA's ops, the MoE "
                  "quantising its input", _backends(norm="reference")),
     "ssm_fp32": ("bf16 GDN state -> fp32", lambda c: dataclasses.replace(c, ssm_state_dtype="float32")),

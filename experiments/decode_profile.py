@@ -61,6 +61,9 @@ VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Mod
     "pallas_bf16_w8a8_fused_ref_norm": (
         dataclasses.replace(Backends.auto(), moe_activations="fp8", norm="reference"), "bfloat16", True),
     "pallas_bf16_dense": (dataclasses.replace(Backends.auto(), dense="auto"), "bfloat16", False),
+    # with each layer's MoE output added by the next layer's input-norm launch (Backends.norm_at_input)
+    "pallas_bf16_w8a8_fused_norm_at_input": (
+        dataclasses.replace(Backends.auto(), moe_activations="fp8", norm_at_input=True), "bfloat16", True),
     # the decode-size Pallas projection kernel (kernels/dense) for the default step's GEMMs: timed at 128 slots only
     # (no change, experiments/results/dense_2026-12-01/), where one slot's GEMVs are ~1.7 of its ~4.5 ms
     "pallas_bf16_w8a8_fused_dense": (dataclasses.replace(Backends.auto(), moe_activations="fp8", dense="auto"),

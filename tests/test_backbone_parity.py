@@ -370,7 +370,8 @@ def test_backbone_passes_its_router_backend_to_every_moe_layer(jax_fp32, tiny_cf
 
 def test_fused_add_norm_kernel_in_the_model(jax_fp32, tiny_cfg):
     """Backends.norm="pallas_triton" (interpret mode on the CPU): the residual add + post-attention RMSNorm of every
-    layer as one launch gives the reference ops' hidden states, for a ragged prefill and a decode step."""
+    layer as one launch gives the reference ops' hidden states, for a ragged prefill and a decode step; so does
+    norm_at_input, where the MoE output's add joins the next layer's input norm (and the final norm) too."""
     import dataclasses
 
     from drama3_jax.backbone import Backends
@@ -378,14 +379,19 @@ def test_fused_add_norm_kernel_in_the_model(jax_fp32, tiny_cfg):
     rows = jnp.asarray(random_rows(tiny_cfg, 2, 7, seed=31, semantic_from=3))
     nxt = jnp.asarray(random_rows(tiny_cfg, 2, 1, seed=32, semantic_from=0))
     lengths = jnp.asarray([7, 5], jnp.int32)
+    n_layers = len(tiny_cfg.text.layer_types)
     out = []
-    for b in (Backends(), dataclasses.replace(Backends(), norm="pallas_triton")):
+    for b, launches in ((Backends(), 0), (dataclasses.replace(Backends(), norm="pallas_triton"), n_layers),
+                        (dataclasses.replace(Backends(), norm="pallas_triton", norm_at_input=True), 2 * n_layers)):
         cache = init_cache(jax_fp32.cfg.text, 2, 16, jnp.float32)
         h, cache = forward_with(jax_fp32, rows, cache, lengths, True, b)
         h1, _ = forward_with(jax_fp32, nxt, cache, jnp.ones((2,), jnp.int32), False, b)
         out.append([np.asarray(h), np.asarray(h1)])
         jaxpr = str(jax.make_jaxpr(lambda r, c: jax_fp32.forward(r, c, lengths, fresh=True, backends=b))(rows, cache))
-        assert ("add_rms_norm" in jaxpr) == (b.norm == "pallas_triton")
-    for ref, got in zip(*out):
-        assert np.isfinite(ref).all() and np.abs(ref).max() > 0
-        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        # layers' norms: 1 per layer; at input: 1 more per layer (layers 1.. and the final norm)
+        assert jaxpr.count("name=add_rms_norm") == launches, jaxpr.count("name=add_rms_norm")
+    ref = out[0]
+    for got in out[1:]:
+        for r, g in zip(ref, got):
+            assert np.isfinite(r).all() and np.abs(r).max() > 0
+            np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * np.abs(r).max())
