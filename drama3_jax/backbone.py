@@ -28,7 +28,6 @@ from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, causal_conv1d_packed, gdn_gates
 from kernels.moe import ExpertWeights, moe_experts
 from kernels.moe.quant import ACT_GROUP
-from kernels.norm.api import add_rms_norm
 from kernels.router.api import router_topk
 
 
@@ -76,7 +75,11 @@ class Backends:
 
     norm_at_input (with a norm kernel): each layer's MoE output is added to the residual stream by the next layer's
     input RMSNorm launch (and the last one by the final norm's) instead of an XLA add and XLA's norm ops; off until
-    timed (experiments/decode_profile.py variant pallas_bf16_w8a8_fused_norm_at_input)."""
+    timed (experiments/decode_profile.py variant pallas_bf16_w8a8_fused_norm_at_input).
+
+    tower_norm: the tower layers' two residual add + RMSNorm pairs (attention output -> ffn_norm, FFN output ->
+    final_layernorm) as norm-kernel launches; "reference" keeps XLA's ops (off until timed: decode_profile variant
+    pallas_bf16_w8a8_fused_tower_norm)."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
@@ -89,6 +92,7 @@ class Backends:
     router: str = "reference"
     norm: str = "reference"
     norm_at_input: bool = False
+    tower_norm: str = "reference"
 
     def __post_init__(self):
         if self.moe_activations not in ("bf16", "fp8"):
@@ -429,14 +433,6 @@ def with_layer_states(cache: BackboneCache, states: list[tuple], layer_types, le
                          ssm=[s for _, s in gdn], lengths=lengths)
 
 
-def _add_norm(ln: RMSNorm, x, residual, backend: str, quant_group: int | None = None):
-    """(x + residual, ln(x + residual)[, its e4m3 groups]) as one norm-kernel launch; x, residual [..., H]."""
-    shape = x.shape
-    s, n, *q = add_rms_norm(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), ln.weight[...], eps=ln.eps,
-                            zero_centered=ln.zero_centered, quant_group=quant_group, backend=backend)
-    return s.reshape(shape), n.reshape(shape), tuple(q) or None
-
-
 def decoder_layer(layer: DecoderLayer, x, state: tuple, ctx: LayerContext, pending=None):
     """One decoder layer on x [B, T, H] (or packed [1, N, H]): pre-norm token mixer with its cache entries `state`
     ((k, v) or (conv, ssm)), residual, pre-norm sparse MoE, residual. `pending`: the previous layer's MoE output not
@@ -446,7 +442,7 @@ def decoder_layer(layer: DecoderLayer, x, state: tuple, ctx: LayerContext, pendi
     if pending is None:
         h = layer.input_layernorm(x)
     else:
-        x, h, _ = _add_norm(layer.input_layernorm, x, pending, be.norm)
+        x, h, _ = layer.input_layernorm.with_residual(x, pending, be.norm)
     if layer.layer_type == "full_attention":
         h, k, v = layer.self_attn(h, ctx.positions, *state, ctx.start, ctx.new_lengths, fresh=ctx.fresh,
                                   backend=be.attention, dense=be.dense, packing=ctx.packing)
@@ -461,7 +457,7 @@ def decoder_layer(layer: DecoderLayer, x, state: tuple, ctx: LayerContext, pendi
         n, x_fp8 = layer.post_attention_layernorm(x), None
     else:  # one launch: the residual sum, its norm and (W8A8) the norm's e4m3 groups
         group = layer.mlp.fp8_input_group(act_fp8, x.shape[-1])
-        x, n, x_fp8 = _add_norm(layer.post_attention_layernorm, x, h, be.norm, group)
+        x, n, x_fp8 = layer.post_attention_layernorm.with_residual(x, h, be.norm, group)
     m = layer.mlp(n, backend=be.moe, act_fp8=act_fp8, dense=be.dense, valid=ctx.valid, router=be.router, x_fp8=x_fp8)
     if be.norm_at_input and be.norm != "reference":
         return x, state, m
@@ -472,7 +468,7 @@ def finish_stack(norm: RMSNorm, x, pending, backends: Backends):
     """The final norm of the stack's output x [..., H], with the last layer's pending MoE output (or None) added."""
     if pending is None:
         return norm(x)
-    return _add_norm(norm, x, pending, backends.norm)[1]
+    return norm.with_residual(x, pending, backends.norm)[1]
 
 
 class TextModel(nnx.Module):

@@ -78,7 +78,8 @@ class Drama3Model(Drama3Backbone):
         return run_tower(self.audio_decoder_mtp_shared, self.audio_decoder_mtp, self.cfg.tower, hidden,
                          self.semantic_code(main), self.is_semantic(main), self.extra_features(rows), cache,
                          new_lengths, choose_code, fresh=fresh, backend=backends.attention,
-                         compute_heads=compute_heads, dense=backends.dense, packing=packing)
+                         compute_heads=compute_heads, dense=backends.dense, norm=backends.tower_norm,
+                         packing=packing)
 
     def teacher_forced(self, rows, lengths, max_len: int, *, backends: Backends = Backends(),
                        compute_heads: bool = True, cache_dtype=None):

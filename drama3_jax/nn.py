@@ -16,7 +16,7 @@ from flax import nnx
 
 from kernels.attention import attention
 from kernels.dense.api import linear
-from kernels.norm.api import rms_norm
+from kernels.norm.api import add_rms_norm, rms_norm
 
 
 class Linear(nnx.Module):
@@ -73,6 +73,15 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array, out_dtype=None) -> jax.Array:
         return rms_norm(x, self.weight[...], self.eps, zero_centered=self.zero_centered,
                         out_dtype=out_dtype or x.dtype)
+
+    def with_residual(self, x: jax.Array, residual: jax.Array, backend: str, quant_group: int | None = None):
+        """x, residual [..., dim] (same dtype) -> (s = x + residual, self(s)[, self(s)'s e4m3 groups or None]) as one
+        launch of the norm kernel `backend` (kernels/norm/api.py)."""
+        shape = x.shape
+        s, y, *q = add_rms_norm(x.reshape(-1, shape[-1]), residual.reshape(-1, shape[-1]), self.weight[...],
+                                eps=self.eps, zero_centered=self.zero_centered, quant_group=quant_group,
+                                backend=backend)
+        return s.reshape(shape), y.reshape(shape), tuple(q) or None
 
 
 def write_rows(cache: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:

@@ -118,14 +118,20 @@ class MTPLayer(nnx.Module):
         return e if extra is None else e + extra
 
     def __call__(self, h, e, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
-                 dense: str = "reference", packing: Packing | None = None):
+                 dense: str = "reference", norm: str = "reference", packing: Packing | None = None):
+        """`norm`: "reference" (XLA's adds and norms) or a norm-kernel backend for the two residual add + norm
+        pairs (Backends.tower_norm)."""
         t = self.transformer_layer
         m = self.eh_proj(jnp.concatenate([self.enorm(e.astype(h.dtype)), self.hnorm(h)], axis=-1), dense)
         o, k_cache, v_cache = t.attention(t.attention_norm(m), positions, k_cache, v_cache, start, new_lengths,
                                           fresh=fresh, backend=backend, dense=dense, packing=packing)
-        a = m + o
-        f = a + t.feed_forward(t.ffn_norm(a), dense)
-        return self.final_layernorm(f), k_cache, v_cache
+        if norm == "reference":
+            a = m + o
+            f = a + t.feed_forward(t.ffn_norm(a), dense)
+            return self.final_layernorm(f), k_cache, v_cache
+        a, n, _ = t.ffn_norm.with_residual(m, o, norm)
+        _, out, _ = self.final_layernorm.with_residual(a, t.feed_forward(n, dense), norm)
+        return out, k_cache, v_cache
 
 
 class SharedStack(nnx.Module):
@@ -145,14 +151,15 @@ CodeChooser = Callable[[int, jax.Array], jax.Array]
 
 def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h, c0, label_sem, extra,
               cache: TowerCache, new_lengths, choose_code: CodeChooser, *, fresh: bool, backend: str = "reference",
-              compute_heads: bool = True, dense: str = "reference", packing: Packing | None = None):
+              compute_heads: bool = True, dense: str = "reference", norm: str = "reference",
+              packing: Packing | None = None):
     """Run the 13 tower layers at positions cache.lengths + t.
 
     h [B, T, dim] backbone final-norm hidden of rows t; c0 [B, T] semantic code of the predicted frame;
     label_sem [B, T] bool (predicted frame is semantic); extra [B, T, dim] fp32 (input-row codebooks the backbone did
     not see). `choose_code(i, logits_i)` gives code c_{i+1} (teacher label or a sample). Returns
     (codes [B, T, K-1] int32 = c1..c9, head logits [B, T, K-1, V] fp32 or None, updated cache). `backend` is the
-    attention backend, `dense` the projections' (kernels/dense). With `packing`, h, c0, label_sem and extra are
+    attention backend, `dense` the projections' (kernels/dense), `norm` the residual add + norms' (MTPLayer). With `packing`, h, c0, label_sem and extra are
     packed prompts [1, N, ...] and cache / new_lengths are per prompt (see Drama3Backbone.forward)."""
     B, T = (packing.num_seqs, packing.seq_len) if packing is not None else h.shape[:2]
     start = cache.lengths[:B]  # the cache may be a slot pool with more rows (see Drama3Backbone.forward)
@@ -163,13 +170,14 @@ def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h,
     for j, layer in enumerate(shared.layers):
         e = layer.embed(c0, sem, extra if j == 0 else None)
         x, ks[j], vs[j] = layer(x, e, positions, ks[j], vs[j], start, new_lengths, fresh=fresh, backend=backend,
-                                dense=dense, packing=packing)
+                                dense=dense, norm=norm, packing=packing)
     code = c0
     codes, logits = [], []
     n = cfg.n_layer
     for i, (layer, head) in enumerate(zip(residual.layers, residual.heads)):
         x, ks[n + i], vs[n + i] = layer(x, layer.embed(code, sem), positions, ks[n + i], vs[n + i], start,
-                                        new_lengths, fresh=fresh, backend=backend, dense=dense, packing=packing)
+                                        new_lengths, fresh=fresh, backend=backend, dense=dense, norm=norm,
+                                        packing=packing)
         with jax.named_scope("tower_heads"):
             li = head(x, dense).astype(jnp.float32) if compute_heads else None
         code = choose_code(i, li).astype(jnp.int32)

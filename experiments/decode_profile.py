@@ -64,6 +64,9 @@ VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Mod
     # with each layer's MoE output added by the next layer's input-norm launch (Backends.norm_at_input)
     "pallas_bf16_w8a8_fused_norm_at_input": (
         dataclasses.replace(Backends.auto(), moe_activations="fp8", norm_at_input=True), "bfloat16", True),
+    # with the tower layers' residual add + norm pairs as norm-kernel launches (Backends.tower_norm)
+    "pallas_bf16_w8a8_fused_tower_norm": (
+        dataclasses.replace(Backends.auto(), moe_activations="fp8", tower_norm="auto"), "bfloat16", True),
     # the decode-size Pallas projection kernel (kernels/dense) for the default step's GEMMs: timed at 128 slots only
     # (no change, experiments/results/dense_2026-12-01/), where one slot's GEMVs are ~1.7 of its ~4.5 ms
     "pallas_bf16_w8a8_fused_dense": (dataclasses.replace(Backends.auto(), moe_activations="fp8", dense="auto"),
