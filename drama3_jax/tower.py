@@ -159,8 +159,9 @@ def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h,
     label_sem [B, T] bool (predicted frame is semantic); extra [B, T, dim] fp32 (input-row codebooks the backbone did
     not see). `choose_code(i, logits_i)` gives code c_{i+1} (teacher label or a sample). Returns
     (codes [B, T, K-1] int32 = c1..c9, head logits [B, T, K-1, V] fp32 or None, updated cache). `backend` is the
-    attention backend, `dense` the projections' (kernels/dense), `norm` the residual add + norms' (MTPLayer). With `packing`, h, c0, label_sem and extra are
-    packed prompts [1, N, ...] and cache / new_lengths are per prompt (see Drama3Backbone.forward)."""
+    attention backend, `dense` the projections' (kernels/dense), `norm` the residual add + norms' (MTPLayer). With
+    `packing`, h, c0, label_sem and extra are packed prompts [1, N, ...] and cache / new_lengths are per prompt (see
+    Drama3Backbone.forward)."""
     B, T = (packing.num_seqs, packing.seq_len) if packing is not None else h.shape[:2]
     start = cache.lengths[:B]  # the cache may be a slot pool with more rows (see Drama3Backbone.forward)
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
