@@ -13,6 +13,10 @@ scopes of `frame_step`: moe_experts, gdn_core, attention_core, sampling, ...) be
     python experiments/decode_profile.py --out DIR --phase timing [--slots 1 64 128 256] [--variants ...]
     XLA_FLAGS=--xla_gpu_enable_command_buffer= python experiments/decode_profile.py --out DIR --phase profile
     python experiments/decode_profile.py --out DIR --plot-from DIR/decode_timing.json   (redraw a PNG from results)
+
+Run as a script it reserves the server's GPU memory fraction (drama3_jax/xla_flags.py, 0.92 unless
+XLA_PYTHON_CLIENT_MEM_FRACTION is set): with JAX's 0.75 the 128-slot state did not fit an 80 GB H100 beside the
+full-size weights (experiments/results/decode_2026-12-07_h100/).
 """
 
 from __future__ import annotations
@@ -492,4 +496,7 @@ def write_markdown(R: dict, path: str):
 
 
 if __name__ == "__main__":
+    from drama3_jax.xla_flags import apply_gpu_memory_fraction
+
+    apply_gpu_memory_fraction()
     main()
