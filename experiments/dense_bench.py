@@ -8,7 +8,7 @@ block_until_ready, median of repeats after a warm-up call. Correctness: each Pal
 reference on fresh random inputs, relative max error. The per-step totals weight each shape by its count in one
 decode step of the model.
 
-    python experiments/dense_bench.py --out DIR [--rows 32 128 256] [--sweep] [--preset full]
+    python experiments/dense_bench.py --out DIR [--rows 32 128 256] [--sweep [--sweep-rows 1]] [--preset full]
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ from datetime import datetime, timezone
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from drama3_jax.config import preset  # noqa: E402
+from drama3_jax.model import Drama3Model  # noqa: E402
+from drama3_jax.nn import FusedLinear, Linear  # noqa: E402
 from experiments.common import command_line, log, save_json  # noqa: E402
 from kernels.dense import tuning  # noqa: E402
 from kernels.dense.pallas_triton import check_shapes, linear_pallas_triton  # noqa: E402
@@ -38,32 +41,20 @@ HBM_BPS = 4.2e12  # measured device-to-device copy on the H200 (../shared/docs/h
 L2_BYTES = 50 * 2**20
 
 
-def step_shapes(cfg) -> Counter:
-    """(N, K) -> uses in one decode step: every Linear the step runs once per row (the lm_head's full vocabulary is
-    not: the step reads the semantic band only)."""
-    t, a = cfg.text, cfg.tower
-    n_lin, n_full = len(t.linear_attention_layers), len(t.full_attention_layers)
-    h = t.hidden_size
+def step_shapes(cfg, fused: bool = True) -> Counter:
+    """(N, K) -> uses in one decode step: the weight of every Linear / FusedLinear of the model (each runs once per
+    step), in the layout the server runs (`fused`: Drama3Model.fuse_projections) or the checkpoint's; not the
+    lm_head's full vocabulary (the step reads the semantic band only)."""
+    def build():
+        model = Drama3Model(cfg, dtype=jnp.bfloat16)
+        if fused:
+            model.fuse_projections()
+        return model
+
     uses = Counter()
-    uses[(t.linear_conv_dim, h)] += n_lin
-    uses[(t.linear_value_dim, h)] += n_lin
-    uses[(t.linear_num_value_heads, h)] += 2 * n_lin
-    uses[(h, t.linear_value_dim)] += n_lin
-    uses[(t.num_attention_heads * t.head_dim * 2, h)] += n_full
-    uses[(t.num_key_value_heads * t.head_dim, h)] += 2 * n_full
-    uses[(h, t.num_attention_heads * t.head_dim)] += n_full
-    L = t.num_hidden_layers
-    uses[(t.shared_expert_intermediate_size, h)] += 2 * L
-    uses[(h, t.shared_expert_intermediate_size)] += L
-    uses[(t.num_experts, h)] += L
-    uses[(1, h)] += L
-    n_tower = a.n_layer + a.num_residual_layers
-    uses[(2 * a.n_head * a.head_dim + 2 * a.n_local_heads * a.head_dim, a.dim)] += n_tower
-    uses[(a.dim, a.n_head * a.head_dim)] += n_tower
-    uses[(a.intermediate_size, a.dim)] += 2 * n_tower
-    uses[(a.dim, a.intermediate_size)] += n_tower
-    uses[(a.dim, 2 * a.dim)] += n_tower
-    uses[(a.vocab_size, a.dim)] += a.num_residual_layers
+    for path, module in nnx.iter_modules(nnx.eval_shape(build)):
+        if isinstance(module, (Linear, FusedLinear)) and path[0] != "lm_head":
+            uses[tuple(module.weight.shape)] += 1
     return uses
 
 
@@ -129,14 +120,17 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--preset", default="full", choices=["full", "tiny"])
     ap.add_argument("--rows", type=int, nargs="*", default=[32, 128, 256], help="row counts of the main table")
-    ap.add_argument("--sweep", action="store_true", help="also time the candidate configurations at 128 rows")
+    ap.add_argument("--sweep", action="store_true", help="also time the candidate configurations (at --sweep-rows)")
+    ap.add_argument("--sweep-rows", type=int, default=128, help="row count of the sweep (1: one stream)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="the checkpoint's projection shapes instead of the fused ones the server runs")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--budget-s", type=float, default=math.inf, help="stop sweeping after this many seconds")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     t_start = time.perf_counter()
     cfg = preset(args.preset)
-    uses = step_shapes(cfg)
+    uses = step_shapes(cfg, fused=not args.unfused)
     res = dict(command=command_line(args.out), date=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                device=jax.devices()[0].device_kind, jax=jax.__version__, preset=args.preset,
                timing=__doc__.split("\n\n")[1].replace("\n", " "), hbm_bytes_per_s=HBM_BPS, rows=[], sweep=[])
@@ -163,13 +157,14 @@ def main(argv=None):
             save_json(res, os.path.join(args.out, "dense_bench.json"))
     if args.sweep:
         for (n, k) in sorted(uses, key=lambda nk: -nk[0] * nk[1]):
-            for c in sweep_configs(n, k, 128):
+            m = args.sweep_rows
+            for c in sweep_configs(n, k, m):
                 if time.perf_counter() - t_start > args.budget_s:
                     break
                 fn = lambda x, w, c=c: linear_pallas_triton(x, w, config=c)  # noqa: E731
-                comp, a, calls, cs = build_timer(fn, 128, n, k, seed=n + k)
-                res["sweep"].append(dict(M=128, N=n, K=k, config=dataclasses.asdict(c),
-                                         **time_it(comp, a, calls, args.reps), rel_err=rel_err(c, 128, n, k, n + k)))
+                comp, a, calls, cs = build_timer(fn, m, n, k, seed=n + k)
+                res["sweep"].append(dict(M=m, N=n, K=k, config=dataclasses.asdict(c),
+                                         **time_it(comp, a, calls, args.reps), rel_err=rel_err(c, m, n, k, n + k)))
             save_json(res, os.path.join(args.out, "dense_bench.json"))
     with open(os.path.join(args.out, "dense_bench.md"), "w") as fh:
         fh.write(markdown(res))
@@ -202,7 +197,8 @@ def markdown(res) -> str:
             "| M | XLA ms/step | best ms/step | roofline ms/step |", "|---|---|---|---|"]
     out += [f"| {m} | {a:.3f} | {b:.3f} | {c:.3f} |" for m, (a, b, c) in totals.items()]
     if res["sweep"]:
-        out += ["", "Sweep at M = 128 (ms):", "", "| N | K | config | ms | rel err |", "|---|---|---|---|---|"]
+        out += ["", f"Sweep at M = {res['sweep'][0]['M']} (ms):", "", "| N | K | config | ms | rel err |",
+                "|---|---|---|---|---|"]
         for s in sorted(res["sweep"], key=lambda s: (-s["N"] * s["K"], s["ms"])):
             c = s["config"]
             out.append(f"| {s['N']} | {s['K']} | bn{c['block_n']} split{c['split_k']} s{c['num_stages']}"
