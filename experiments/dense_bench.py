@@ -156,8 +156,8 @@ def main(argv=None):
                 f"roofline {roof:.4f} ms")
             save_json(res, os.path.join(args.out, "dense_bench.json"))
     if args.sweep:
+        m = args.sweep_rows
         for (n, k) in sorted(uses, key=lambda nk: -nk[0] * nk[1]):
-            m = args.sweep_rows
             for c in sweep_configs(n, k, m):
                 if time.perf_counter() - t_start > args.budget_s:
                     break
