@@ -78,6 +78,18 @@ VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Mod
     "pallas_bf16_w8a8_dense": (dataclasses.replace(Backends.auto(), moe_activations="fp8", dense="auto"), "bfloat16",
                                False),
 }
+
+
+def _w8a8_table_with_small_row(**tile) -> dict:
+    """The MoE tuning table with one more W8A8 row in front, for <= 64 (token, slot) pairs (one to eight streams):
+    the FP8 decode tiles, activations quantised in-kernel (not prequant, whose gate/up N tile must be 128), and
+    `tile`. The table's prequant row gives one stream's gate/up I / 128 = 4 programs per expert, 32 in all."""
+    from kernels.moe.tuning import TRITON_TABLE
+    row = dict(block_m=16, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, gu_warps=4, gu_stages=4,
+               dn_warps=4, dn_stages=4) | tile
+    return TRITON_TABLE | {"w8a8": [(64, row)] + TRITON_TABLE["w8a8"]}
+
+
 # variants that also switch a module-level choice, for A/B runs in one call: (module, attribute, key or None, value)
 PATCHES = {
     # the fifth session's step: the argsort expert grouping in XLA and the XLA conv-state shift
@@ -102,6 +114,17 @@ PATCHES = {
     ]),
     # the GDN decode kernels' and the router's inputs as slices of the fused projections (copies), as before
     # 2026-12-06's twenty-seventh session
+    # one to eight streams: narrow gate/up (and down) N tiles for more programs per expert
+    "pallas_bf16_w8a8_fused_moe_gu16": ("pallas_bf16_w8a8_fused", [
+        ("kernels.moe.pallas_triton", "TRITON_TABLE", None, _w8a8_table_with_small_row(gu_block_n=16, gu_warps=1)),
+    ]),
+    "pallas_bf16_w8a8_fused_moe_gu32": ("pallas_bf16_w8a8_fused", [
+        ("kernels.moe.pallas_triton", "TRITON_TABLE", None, _w8a8_table_with_small_row(gu_block_n=32, gu_warps=2)),
+    ]),
+    "pallas_bf16_w8a8_fused_moe_gu16_dn64": ("pallas_bf16_w8a8_fused", [
+        ("kernels.moe.pallas_triton", "TRITON_TABLE", None,
+         _w8a8_table_with_small_row(gu_block_n=16, gu_warps=1, dn_block_n=64, dn_warps=2)),
+    ]),
     "pallas_bf16_w8a8_fused_sliced_inputs": ("pallas_bf16_w8a8_fused", [
         ("drama3_jax.backbone", "FUSED_OUTPUTS_IN_PLACE", None, False),
     ]),

@@ -58,6 +58,22 @@ def test_variant_patches_hold_while_open_and_are_undone():
     decode_profile.variant_patches("pallas_bf16").close()  # a variant without patches
 
 
+def test_moe_small_pair_variants_add_a_w8a8_row_for_few_streams():
+    """The MoE tile variants put one row for <= 64 pairs (up to eight streams) in front of the W8A8 rows: narrow
+    gate/up N tiles quantising in-kernel; more pairs keep the table's prequant row; closing the patch restores it."""
+    from kernels.moe import pallas_triton
+    from kernels.moe.tuning import TRITON_TABLE, pick
+
+    before = pallas_triton.TRITON_TABLE
+    stack = decode_profile.variant_patches("pallas_bf16_w8a8_fused_moe_gu16")
+    small = pick(pallas_triton.TRITON_TABLE, 8, fp8=True, act_fp8=True)
+    assert (small.gu_block_n, small.gu_warps, small.prequant) == (16, 1, False)
+    assert pick(pallas_triton.TRITON_TABLE, 65, fp8=True, act_fp8=True) == pick(TRITON_TABLE, 65, True, True)
+    stack.close()
+    assert pallas_triton.TRITON_TABLE is before
+    assert pick(before, 8, fp8=True, act_fp8=True).prequant
+
+
 def test_kernels_replayed_without_an_hlo_op_are_found_by_kernel_name():
     """Trace events of kernels replayed from a command buffer carry only the kernel name: a fusion's kernel name is
     its instruction name with '.' and '-' as '_', a Pallas kernel's the `name` of its custom call's backend config."""
