@@ -21,10 +21,11 @@ def test_timing_and_profile_phases(tmp_path):
     assert "| pallas_bf16 | 3 |" in (tmp_path / "decode_timing.md").read_text()
     assert (tmp_path / "decode_timing.png").stat().st_size > 0
 
-    decode_profile.main(common[:5] + ["2", "--pool", "5"] + common[6:] + ["--phase", "timing"])  # 2 rows of 5
-    (row,) = json.loads((tmp_path / "decode_timing.json").read_text())["rows"]
+    decode_profile.main(common[:5] + ["2", "--pool", "5"] + common[6:] + ["--phase", "timing", "--rounds", "3"])
+    (row,) = json.loads((tmp_path / "decode_timing.json").read_text())["rows"]  # 2 rows of 5, timed 3 times
     assert "error" not in row, row.get("error")
     assert (row["slots"], row["pool"]) == (2, 5) and row["step_ms"] > 0
+    assert len(row["step_ms_rounds"]) == 3 and row["step_ms"] == sorted(row["step_ms_rounds"])[1]
     assert "| pallas_bf16 | 2 of 5 |" in (tmp_path / "decode_timing.md").read_text()
 
     decode_profile.main(common + ["--phase", "profile", "--variants", "pallas_bf16", "--profile-steps", "2"])
