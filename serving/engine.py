@@ -122,6 +122,14 @@ class EngineConfig:
     # most frames of one stream per codec call. A period's frames (the default) is enough: the periodic call empties
     # every playing stream, so a larger cap only adds a compiled shape that steady state never uses
     codec_chunk: int = 8
+    # at low load (no more streams than the smallest codec batch), a periodic call is skipped while every stream it
+    # would serve has at least `codec_defer_s` of audio buffered and fewer than this many frames pending, and then
+    # takes up to this many frames of each (one more compiled codec shape, for the smallest batch only). A codec call
+    # costs about the same however few frames it decodes (~7 ms on the H200, experiments/results/
+    # codec_throughput.md), and a lone stream decodes ~10x faster than real time, so 8-frame calls would cost it a
+    # sizeable share of its step time. 0: off (every periodic call runs)
+    codec_low_load_chunk: int = 0
+    codec_defer_s: float = 1.0
     # streams per codec call are padded to one of these (or to the pool). (8, 32, 64) against (8,) at 128 streams on
     # the H200: 103.7 vs 98.4 audio s/s, TTFA p50 1,608 vs 1,924 ms, both 0 broken (experiments/results/ablate_128_d/)
     codec_batch_sizes: tuple[int, ...] = (8, 32, 64)
@@ -177,6 +185,15 @@ class EngineConfig:
         return tuple(sorted({self.codec_first_chunk, period, max(period, self.codec_chunk)}))
 
     @property
+    def codec_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(streams, frames) of the compiled codec calls: every batch at every bucket, and the smallest batch at the
+        low-load chunk too."""
+        shapes = {(n, T) for n in self.codec_batches for T in self.codec_buckets}
+        if self.codec_low_load_chunk:
+            shapes.add((self.codec_batches[0], self.codec_low_load_chunk))
+        return tuple(sorted(shapes))
+
+    @property
     def codec_batches(self) -> tuple[int, ...]:
         """Stream counts per codec call."""
         return tuple(sorted({b for b in self.codec_batch_sizes if 0 < b < self.max_streams} | {self.max_streams}))
@@ -195,25 +212,34 @@ class EngineConfig:
 # fields the engine loop reads as it runs and no compiled shape depends on: `Engine.reconfigure` may change them
 POLICY_FIELDS = frozenset({"max_queue", "pipeline_depth", "prefill_busy_streams", "prefill_min_batch",
                            "prefill_max_wait_ms", "admit_guard_s", "admit_guard_new_s", "codec_bridges",
-                           "stats_interval_s", "stall_warn_s", "benchmark_mode"})
+                           "stats_interval_s", "stall_warn_s", "benchmark_mode", "codec_defer_s"})
 # the codec schedule: frames per chunk and steps between periodic calls. A codec call runs at the smallest compiled
-# frame count that holds its chunks (padded), so these may change too while the largest chunk they allow
-# (`codec_buckets[-1]`) is at most the largest compiled frame count
-CODEC_SCHEDULE_FIELDS = frozenset({"codec_first_chunk", "codec_period", "codec_chunk"})
+# frame count of its batch that holds its chunks (padded), so these may change too while the largest chunk they allow
+# per batch is at most the largest frame count compiled for it
+CODEC_SCHEDULE_FIELDS = frozenset({"codec_first_chunk", "codec_period", "codec_chunk", "codec_low_load_chunk"})
 
 
 def changed_fields(cfg: EngineConfig, base: EngineConfig) -> set[str]:
     return {f.name for f in dataclasses.fields(EngineConfig) if getattr(cfg, f.name) != getattr(base, f.name)}
 
 
+def _largest_frames(shapes) -> dict[int, int]:
+    """{streams: the largest frame count} of (streams, frames) codec shapes."""
+    out: dict[int, int] = {}
+    for n, T in shapes:
+        out[n] = max(out.get(n, 0), T)
+    return out
+
+
 def policy_changes(cfg: EngineConfig, base: EngineConfig,
-                   codec_frames: tuple[int, ...] | None = None) -> set[str] | None:
+                   codec_shapes: tuple[tuple[int, int], ...] | None = None) -> set[str] | None:
     """Names of the fields where `cfg` differs from `base`, or None if one of them changes a compiled shape: a field
-    outside POLICY_FIELDS and CODEC_SCHEDULE_FIELDS, or a codec schedule whose largest chunk exceeds the compiled
-    frame counts (`codec_frames`, default `base.codec_buckets`)."""
+    outside POLICY_FIELDS and CODEC_SCHEDULE_FIELDS, or a codec schedule whose largest chunk for some batch exceeds
+    the largest frame count compiled for it (`codec_shapes`, default `base.codec_shapes`)."""
     changed = changed_fields(cfg, base)
     allowed = POLICY_FIELDS
-    if cfg.codec_buckets[-1] <= max(codec_frames or base.codec_buckets):
+    compiled = _largest_frames(codec_shapes or base.codec_shapes)
+    if all(T <= compiled.get(n, 0) for n, T in _largest_frames(cfg.codec_shapes).items()):
         allowed = allowed | CODEC_SCHEDULE_FIELDS
     return changed if changed <= allowed else None
 
@@ -311,7 +337,7 @@ class Engine:
         self._mark_free = jax.jit(mark_free, donate_argnums=(0,) if donate else ())
         self._step = jax.jit(decode_step, static_argnums=(2,), donate_argnums=(1,) if donate else ())
         self._decode_steps = cfg.decode_steps
-        self._codec_frames = cfg.codec_buckets  # frame counts of the compiled codec calls (fixed by warm_up)
+        self._codec_shapes = cfg.codec_shapes  # (streams, frames) of the compiled codec calls (fixed by warm_up)
         self.pool: DecodeState | None = None
         self.codec_state = None
         self.slots: list[Request | None] = [None] * S
@@ -386,7 +412,7 @@ class Engine:
                          for n, lanes in self.cfg.packed_buckets})
         jobs.update({name: fn for name, (_, fn) in prefills.items()})
         jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
-                     for n in self.cfg.codec_batches for T in self._codec_frames})
+                     for n, T in self._codec_shapes})
         encodes = {f"reference encode {n} frames": functools.partial(encode, n) for n in self.cfg.encode_buckets}
         if self.cfg.encode_warmup == "start":
             jobs.update(encodes)
@@ -442,7 +468,8 @@ class Engine:
         rows on one warmed-up engine)."""
         if not self.reconfigurable(cfg):
             raise ValueError("reconfigure changes only " + ", ".join(sorted(POLICY_FIELDS | CODEC_SCHEDULE_FIELDS))
-                             + f" (chunks of at most {self._codec_frames[-1]} frames); build a new Engine for "
+                             + f" (chunks within the compiled codec shapes {self._codec_shapes}); build a new "
+                             + "Engine for "
                              + ", ".join(sorted(changed_fields(cfg, self.cfg) - POLICY_FIELDS)))
         _check_policy(cfg)
         with self.lock:
@@ -452,7 +479,7 @@ class Engine:
 
     def reconfigurable(self, cfg: EngineConfig) -> bool:
         """Whether `reconfigure(cfg)` keeps every compiled shape."""
-        return policy_changes(cfg, self.cfg, self._codec_frames) is not None
+        return policy_changes(cfg, self.cfg, self._codec_shapes) is not None
 
     def start(self):
         if not self.ready:
@@ -791,14 +818,18 @@ class Engine:
         periodic = self._codec_countdown <= 0
         # the next periodic call's audio lands after the steps still to run plus one codec call
         horizon = (self._codec_countdown + 1) * self._step_interval_s + self._codec_latency_s
-        ready = codec_takes(self.slots, periodic, self.cfg.codec_first_chunk, self.cfg.codec_buckets[-1],
-                            now=time.perf_counter(), horizon_s=horizon, bridges=self.cfg.codec_bridges)
+        # low load: every call fits the smallest batch, compiled at the low-load chunk too
+        low_load = self.cfg.codec_low_load_chunk > 0 and self.active_count() <= self.cfg.codec_batches[0]
+        cap = self.cfg.codec_low_load_chunk if low_load else self.cfg.codec_buckets[-1]
+        ready = codec_takes(self.slots, periodic, self.cfg.codec_first_chunk, cap, now=time.perf_counter(),
+                            horizon_s=horizon, bridges=self.cfg.codec_bridges,
+                            defer_s=self.cfg.codec_defer_s if low_load else None)
         if periodic:
             self._codec_countdown = self.cfg.codec_period
         if not ready:
             return
         n = next(b for b in self.cfg.codec_batches if b >= len(ready))
-        T = next(t for t in self._codec_frames if t >= max(take for _, _, take in ready))
+        T = min(t for b, t in self._codec_shapes if b == n and t >= max(take for _, _, take in ready))
         codes = np.zeros((n, self.model_cfg.num_codebooks, T), np.int32)
         slots = np.full(n, self.cfg.max_streams, np.int32)  # padding rows: out-of-range slot, nothing written
         n_new = np.zeros(n, np.int32)
@@ -886,10 +917,13 @@ def _check_policy(cfg: EngineConfig):
         raise ValueError(f"pipeline_depth must be 0 or 1, got {cfg.pipeline_depth}")
     if cfg.codec_bridges < 0:
         raise ValueError(f"codec_bridges must be >= 0, got {cfg.codec_bridges}")
+    if cfg.codec_low_load_chunk and cfg.codec_low_load_chunk < cfg.codec_buckets[-1]:
+        raise ValueError(f"codec_low_load_chunk ({cfg.codec_low_load_chunk}) must be 0 or at least the largest codec "
+                         f"chunk ({cfg.codec_buckets[-1]} frames)")
 
 
 def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float = 0.0, horizon_s: float = 0.0,
-                bridges: int = 0) -> list[tuple[int, Request, int]]:
+                bridges: int = 0, defer_s: float | None = None) -> list[tuple[int, Request, int]]:
     """The streams one codec call decodes, as (slot, request, frames taken), at most `cap` frames of each:
     - at any call, a stream whose first chunk is ready (`first_chunk` pending frames, none decoded yet), and a stream
       that has played at least one and at most `bridges` chunks, has `first_chunk` more pending and whose audio ends
@@ -898,8 +932,11 @@ def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float
       at 128 streams on the H200 (experiments/results/serve_bench_4), and one bridge after a 2-frame first chunk was
       not enough (ablate_2026-12-05/). At most `bridges` per stream, so an overloaded engine does not turn into a
       codec call every step (0: none);
-    - on a periodic call also every other playing stream and every stream whose text chunk ended (its flush)."""
-    ready = []
+    - on a periodic call also every other playing stream and every stream whose text chunk ended (its flush); with
+      `defer_s` (low load), none of those while each of them has at least `defer_s` (and `horizon_s`) of audio
+      buffered, fewer than `cap` frames pending and its text chunk still running: their frames wait for a fuller
+      call."""
+    ready, periodic_only = [], []
     for s, r in enumerate(slots):
         if r is None or not r.pending:
             continue
@@ -909,6 +946,12 @@ def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float
                        and r.t_audio_end - now < horizon_s)
         if first_ready or running_dry or (periodic and (r.audio_chunks > 0 or r.chunk_done)):
             ready.append((s, r, min(len(r.pending), cap)))
+            if not (first_ready or running_dry):
+                periodic_only.append(s)
+    if defer_s is not None and periodic_only and all(
+            not r.chunk_done and len(r.pending) < cap and r.t_audio_end - now >= max(defer_s, horizon_s)
+            for s, r, _ in ready if s in periodic_only):
+        ready = [e for e in ready if e[0] not in periodic_only]
     return ready
 
 

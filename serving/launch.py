@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--codec-bridges", type=int, default=0,
                     help="between periodic calls, give a stream that has played at most this many chunks one more "
                          "when its audio would run dry before the next periodic call (0: never)")
+    ap.add_argument("--codec-low-load-chunk", type=int, default=0,
+                    help="with no more streams than the smallest codec batch, skip the periodic codec call while "
+                         "every stream it would serve has --codec-defer-s of audio buffered, and let such calls take "
+                         "up to this many frames per stream (one more compiled codec shape; 0: off)")
+    ap.add_argument("--codec-defer-s", type=float, default=1.0,
+                    help="buffered audio (seconds) above which --codec-low-load-chunk defers a stream's frames")
     ap.add_argument("--decode-sizes", type=int, nargs="*", default=None,
                     help="decode steps run over the first n slots, n the smallest of these (or --max-streams) above "
                          "every occupied slot; each size compiles one more decode step (default: "
@@ -231,6 +237,7 @@ def main(argv=None):
                        decode_sizes=resolve_decode_sizes(args.decode_sizes, args.max_streams, full_size=full_size),
                        compact_slots=args.compact_slots,
                        codec_period=args.codec_period, codec_bridges=args.codec_bridges,
+                       codec_low_load_chunk=args.codec_low_load_chunk, codec_defer_s=args.codec_defer_s,
                        pipeline_depth=args.pipeline_depth, compile_threads=args.compile_threads,
                        stall_warn_s=args.stall_warn_s,
                        encode_warmup=args.encode_warmup,

@@ -254,6 +254,31 @@ def test_codec_takes_bridges_a_stream_that_would_run_dry_up_to_its_bridge_count(
         (i, r, len(r.pending)) for i, r in enumerate(slots)]
 
 
+def test_codec_takes_defers_deep_streams_at_low_load():
+    """With defer_s (low load) a periodic call takes nothing but first chunks while every stream it would serve has
+    at least defer_s (and the horizon) of audio buffered, fewer than `cap` frames pending and its text running; one
+    thin, full or ended stream makes the call serve them all, each up to `cap`."""
+    from types import SimpleNamespace as R
+
+    from serving.engine import codec_takes
+
+    def req(pending, chunks, audio_end, done=False):
+        return R(pending=[0] * pending, audio_chunks=chunks, chunk_done=done, t_audio_end=audio_end)
+
+    now = 10.0
+    deep, deeper, first = req(8, 2, now + 1.5), req(12, 5, now + 3.0), req(4, 0, now)
+    takes = lambda slots, **kw: codec_takes(slots, True, 4, 32, now=now, horizon_s=0.2, **kw)  # noqa: E731
+    assert takes([deep, deeper, first], defer_s=1.0) == [(2, first, 4)]
+    assert takes([deep, deeper], defer_s=None) == [(0, deep, 8), (1, deeper, 12)]      # off: every periodic call
+    assert takes([deep, deeper], defer_s=2.0) == [(0, deep, 8), (1, deeper, 12)]       # deep is not deep enough
+    assert codec_takes([deep], True, 4, 32, now=now, horizon_s=1.6, defer_s=1.0) == [(0, deep, 8)]  # the horizon
+    full = req(32, 3, now + 5.0)
+    assert takes([deep, full], defer_s=1.0) == [(0, deep, 8), (1, full, 32)]
+    ended = req(3, 4, now + 5.0, done=True)
+    assert takes([deep, ended], defer_s=1.0) == [(0, deep, 8), (1, ended, 3)]
+    assert codec_takes([deep, deeper], False, 4, 32, now=now, defer_s=1.0) == []    # not periodic: as before
+
+
 def test_admission_guard_has_its_own_threshold_for_streams_on_their_first_chunk():
     """Every playing, still-generating stream needs `guard_s` of buffered audio, one that has played only its first
     chunk (or at most `new_chunks`: first chunk and bridges) `guard_new_s`; streams not yet playing and streams whose
@@ -291,6 +316,13 @@ def test_reconfigure_swaps_policy_fields_only_and_only_when_idle(engine):
     assert policy_changes(dataclasses.replace(base, codec_period=1), base) == {"codec_period"}
     assert policy_changes(dataclasses.replace(base, codec_period=16), base) is None
     assert policy_changes(dataclasses.replace(base, max_new_tokens=11), base) is None
+    # a low-load chunk is compiled for the smallest codec batch only: within its 8 frames it may change, 16 may not
+    assert policy_changes(dataclasses.replace(base, codec_low_load_chunk=8), base) == {"codec_low_load_chunk"}
+    assert policy_changes(dataclasses.replace(base, codec_low_load_chunk=16), base) is None
+    assert dataclasses.replace(base, codec_low_load_chunk=16).codec_shapes == ((8, 4), (8, 8), (8, 16), (32, 4),
+                                                                              (32, 8))
+    with pytest.raises(ValueError, match="codec_low_load_chunk"):
+        engine.reconfigure(dataclasses.replace(base, codec_low_load_chunk=4))
     with pytest.raises(ValueError, match="codec_period"):
         engine.reconfigure(dataclasses.replace(base, codec_period=16))
     with pytest.raises(ValueError, match="pipeline_depth"):
@@ -369,6 +401,19 @@ def test_bridge_chunks_change_how_the_audio_is_cut_not_the_audio(engine):
     sizes = [len(c) // frame for c in bridged]
     assert sizes[0] == 2 and sum(sizes) == 10 and len(sizes) > len(plain), (sizes, [len(c) // frame for c in plain])
     np.testing.assert_allclose(np.concatenate(bridged), before, atol=1e-4)
+
+
+def test_low_load_codec_deferral_changes_how_the_audio_is_cut_not_the_audio(engine):
+    """A lone stream with a codec call due every 2 steps and deferral at low load (chunks of up to 8 frames while its
+    audio is buffered ahead): the same PCM as without, no compile, every call within the compiled 8 frames."""
+    text = "Deferred while the audio runs ahead."
+    (before,), _ = run(engine, [text], [13], forced=[10])
+    chunks, compiles = _chunks_with(engine, dataclasses.replace(engine.cfg, codec_period=2, codec_low_load_chunk=8,
+                                                                codec_defer_s=0.0), text, 13, 10)
+    assert not compiles
+    sizes = [len(c) // engine.codec.frame_length for c in chunks]
+    assert sizes[0] == 4 and sum(sizes) == 10 and max(sizes) <= 8, sizes
+    np.testing.assert_allclose(np.concatenate(chunks), before, atol=1e-4)
 
 
 def test_a_warm_up_job_out_of_gpu_memory_names_its_shape_and_the_limits():
