@@ -19,8 +19,10 @@ One tick of the engine thread (`pipeline_depth` = 1, the default):
      (`codec_first_chunk` frames: time-to-first-audio) is ready or whose audio would run dry before the next
      periodic call (up to `codec_bridges` bridge chunks per stream), and takes only those. Flushes wait for the periodic
      call because at 128 streams streams end ~15 times a second, and a call each was ~10 extra calls/s on the H200
-     (experiments/results/full_size_h200.md). Just the called streams' codec state is gathered from the pool; stream
-     counts and frames are padded to small static sets;
+     (experiments/results/full_size_h200.md). At low load (`codec_low_load_chunk`) a periodic call waits while every
+     stream it would serve has audio buffered well ahead, so a lone stream's frames go in fewer, longer calls. Just
+     the called streams' codec state is gathered from the pool; stream counts and frames are padded to small static
+     sets;
   5. admit: if the admission policy says so, prefill queued prompts and scatter them into free slots; their first
      valid step is n+1. Prompts of up to `prefill_chunk` rows are packed end to end into one call of a few static
      row counts (`prefill_packed_rows`, drama3_jax/packing.py), longer ones go alone in whole chunks.
