@@ -79,9 +79,9 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                         "one bridge", lambda c: dataclasses.replace(c, codec_bridges=1)),
     "codec_bridges_3": ("no bridge chunk -> up to 3 per stream, each when its audio would run dry before the next "
                         "periodic call (for short first chunks)", lambda c: dataclasses.replace(c, codec_bridges=3)),
-    "codec_low_load_32": ("every periodic codec call runs -> at low load (streams <= the smallest codec batch) "
-                          "skipped while each stream has 1 s of audio buffered, then up to 32 frames a stream",
-                          lambda c: dataclasses.replace(c, codec_low_load_chunk=32)),
+    "codec_low_load_off": ("at low load (streams <= the smallest codec batch) periodic codec calls skipped while "
+                           "each stream has 1 s of audio buffered, then up to 32 frames a stream -> every periodic "
+                           "call runs", lambda c: dataclasses.replace(c, codec_low_load_chunk=0)),
     # candidate settings (not switches of an optimisation), each changing one admission / batching knob: the guard
     # rows reuse the compiled executables, the prefill and codec rows below compile new shapes
     "guard_new_0.1s": ("admission guard for streams on their first chunk (and bridges) 0.25 s -> 0.1 s",

@@ -126,11 +126,12 @@ class EngineConfig:
     codec_chunk: int = 8
     # at low load (no more streams than the smallest codec batch), a periodic call is skipped while every stream it
     # would serve has at least `codec_defer_s` of audio buffered and fewer than this many frames pending, and then
-    # takes up to this many frames of each (one more compiled codec shape, for the smallest batch only). A codec call
-    # costs about the same however few frames it decodes (~7 ms on the H200, experiments/results/
-    # codec_throughput.md), and a lone stream decodes ~10x faster than real time, so 8-frame calls would cost it a
-    # sizeable share of its step time. 0: off (every periodic call runs)
-    codec_low_load_chunk: int = 0
+    # takes up to this many frames of each (one more compiled codec shape, for the smallest batch only). At one
+    # stream a codec call costs about the same however few frames it decodes (7.88 ms for 10 frames, 7.05 ms for 32
+    # on the H200, experiments/results/codec_throughput.md): ~0.9 ms a frame in the periodic 8-frame calls against
+    # ~0.2 in 32-frame ones, beside a ~4.7 ms decode step; a lone stream decodes ~10x faster than real time, so its
+    # buffer soon allows it. 0: off (every periodic call runs)
+    codec_low_load_chunk: int = 32
     codec_defer_s: float = 1.0
     # streams per codec call are padded to one of these (or to the pool). (8, 32, 64) against (8,) at 128 streams on
     # the H200: 103.7 vs 98.4 audio s/s, TTFA p50 1,608 vs 1,924 ms, both 0 broken (experiments/results/ablate_128_d/)

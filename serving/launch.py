@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--codec-bridges", type=int, default=0,
                     help="between periodic calls, give a stream that has played at most this many chunks one more "
                          "when its audio would run dry before the next periodic call (0: never)")
-    ap.add_argument("--codec-low-load-chunk", type=int, default=0,
+    ap.add_argument("--codec-low-load-chunk", type=int, default=32,
                     help="with no more streams than the smallest codec batch, skip the periodic codec call while "
                          "every stream it would serve has --codec-defer-s of audio buffered, and let such calls take "
                          "up to this many frames per stream (one more compiled codec shape; 0: off)")

@@ -44,6 +44,7 @@ def sync_engine():
                                                   prefill_chunk=128, prefill_batch_sizes=(1,), prefill_packed_rows=(),
                                                   codec_first_chunk=4,
                                                   codec_chunk=8, codec_period=4, pipeline_depth=0,
+                                                  codec_low_load_chunk=0,
                                                   encode_warmup="lazy",
                                                   stall_warn_s=1e-9))  # every iteration counts as a stall
     eng.start()
@@ -316,11 +317,11 @@ def test_reconfigure_swaps_policy_fields_only_and_only_when_idle(engine):
     assert policy_changes(dataclasses.replace(base, codec_period=1), base) == {"codec_period"}
     assert policy_changes(dataclasses.replace(base, codec_period=16), base) is None
     assert policy_changes(dataclasses.replace(base, max_new_tokens=11), base) is None
-    # a low-load chunk is compiled for the smallest codec batch only: within its 8 frames it may change, 16 may not
-    assert policy_changes(dataclasses.replace(base, codec_low_load_chunk=8), base) == {"codec_low_load_chunk"}
-    assert policy_changes(dataclasses.replace(base, codec_low_load_chunk=16), base) is None
-    assert dataclasses.replace(base, codec_low_load_chunk=16).codec_shapes == ((8, 4), (8, 8), (8, 16), (32, 4),
-                                                                              (32, 8))
+    # the low-load chunk (32 frames) is compiled for the smallest codec batch only: within it it may change, not past
+    assert base.codec_shapes == ((8, 4), (8, 8), (8, 32), (32, 4), (32, 8))
+    assert policy_changes(dataclasses.replace(base, codec_low_load_chunk=16), base) == {"codec_low_load_chunk"}
+    assert policy_changes(dataclasses.replace(base, codec_low_load_chunk=64), base) is None
+    assert dataclasses.replace(base, codec_low_load_chunk=0).codec_shapes == ((8, 4), (8, 8), (32, 4), (32, 8))
     with pytest.raises(ValueError, match="codec_low_load_chunk"):
         engine.reconfigure(dataclasses.replace(base, codec_low_load_chunk=4))
     with pytest.raises(ValueError, match="codec_period"):
@@ -404,15 +405,18 @@ def test_bridge_chunks_change_how_the_audio_is_cut_not_the_audio(engine):
 
 
 def test_low_load_codec_deferral_changes_how_the_audio_is_cut_not_the_audio(engine):
-    """A lone stream with a codec call due every 2 steps and deferral at low load (chunks of up to 8 frames while its
-    audio is buffered ahead): the same PCM as without, no compile, every call within the compiled 8 frames."""
+    """A lone stream with a codec call due every 2 steps, deferred at low load while any audio is buffered ahead
+    (the default 32-frame low-load chunk, no buffered-audio threshold), against every periodic call run: the same
+    PCM, no compile."""
     text = "Deferred while the audio runs ahead."
     (before,), _ = run(engine, [text], [13], forced=[10])
-    chunks, compiles = _chunks_with(engine, dataclasses.replace(engine.cfg, codec_period=2, codec_low_load_chunk=8,
-                                                                codec_defer_s=0.0), text, 13, 10)
+    every, _ = _chunks_with(engine, dataclasses.replace(engine.cfg, codec_period=2, codec_low_load_chunk=0), text,
+                            13, 10)
+    chunks, compiles = _chunks_with(engine, dataclasses.replace(engine.cfg, codec_period=2, codec_defer_s=0.0),
+                                    text, 13, 10)
     assert not compiles
     sizes = [len(c) // engine.codec.frame_length for c in chunks]
-    assert sizes[0] == 4 and sum(sizes) == 10 and max(sizes) <= 8, sizes
+    assert sizes[0] == 4 and sum(sizes) == 10 and len(sizes) <= len(every), (sizes, len(every))
     np.testing.assert_allclose(np.concatenate(chunks), before, atol=1e-4)
 
 
