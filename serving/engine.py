@@ -126,11 +126,11 @@ class EngineConfig:
     codec_chunk: int = 8
     # at low load (no more streams than the smallest codec batch), a periodic call is skipped while every stream it
     # would serve has at least `codec_defer_s` of audio buffered and fewer than this many frames pending, and then
-    # takes up to this many frames of each (one more compiled codec shape, for the smallest batch only). At one
-    # stream a codec call costs about the same however few frames it decodes (7.88 ms for 10 frames, 7.05 ms for 32
-    # on the H200, experiments/results/codec_throughput.md): ~0.9 ms a frame in the periodic 8-frame calls against
-    # ~0.2 in 32-frame ones, beside a ~4.7 ms decode step; a lone stream decodes ~10x faster than real time, so its
-    # buffer soon allows it. 0: off (every periodic call runs)
+    # takes up to this many frames of each (at least `codec_buckets[-1]`; one more compiled codec shape, for the
+    # smallest batch only). At one stream a codec call costs about the same however few frames it decodes (7.88 ms
+    # for 10 frames, 7.05 ms for 32 on the H200, experiments/results/codec_throughput.md): ~0.9 ms a frame in the
+    # periodic 8-frame calls against ~0.2 in 32-frame ones, beside a ~4.7 ms decode step; a lone stream decodes ~10x
+    # faster than real time, so its buffer soon allows it. 0: off (every periodic call runs)
     codec_low_load_chunk: int = 32
     codec_defer_s: float = 1.0
     # streams per codec call are padded to one of these (or to the pool). (8, 32, 64) against (8,) at 128 streams on
@@ -192,9 +192,14 @@ class EngineConfig:
         """(streams, frames) of the compiled codec calls: every batch at every bucket, and the smallest batch at the
         low-load chunk too."""
         shapes = {(n, T) for n in self.codec_batches for T in self.codec_buckets}
-        if self.codec_low_load_chunk:
-            shapes.add((self.codec_batches[0], self.codec_low_load_chunk))
+        if self.low_load_frames:
+            shapes.add((self.codec_batches[0], self.low_load_frames))
         return tuple(sorted(shapes))
+
+    @property
+    def low_load_frames(self) -> int:
+        """Most frames of one stream per codec call at low load (never fewer than at other times); 0: no deferral."""
+        return max(self.codec_low_load_chunk, self.codec_buckets[-1]) if self.codec_low_load_chunk else 0
 
     @property
     def codec_batches(self) -> tuple[int, ...]:
@@ -822,8 +827,8 @@ class Engine:
         # the next periodic call's audio lands after the steps still to run plus one codec call
         horizon = (self._codec_countdown + 1) * self._step_interval_s + self._codec_latency_s
         # low load: every call fits the smallest batch, compiled at the low-load chunk too
-        low_load = self.cfg.codec_low_load_chunk > 0 and self.active_count() <= self.cfg.codec_batches[0]
-        cap = self.cfg.codec_low_load_chunk if low_load else self.cfg.codec_buckets[-1]
+        low_load = self.cfg.low_load_frames > 0 and self.active_count() <= self.cfg.codec_batches[0]
+        cap = self.cfg.low_load_frames if low_load else self.cfg.codec_buckets[-1]
         ready = codec_takes(self.slots, periodic, self.cfg.codec_first_chunk, cap, now=time.perf_counter(),
                             horizon_s=horizon, bridges=self.cfg.codec_bridges,
                             defer_s=self.cfg.codec_defer_s if low_load else None)
@@ -920,9 +925,9 @@ def _check_policy(cfg: EngineConfig):
         raise ValueError(f"pipeline_depth must be 0 or 1, got {cfg.pipeline_depth}")
     if cfg.codec_bridges < 0:
         raise ValueError(f"codec_bridges must be >= 0, got {cfg.codec_bridges}")
-    if cfg.codec_low_load_chunk and cfg.codec_low_load_chunk < cfg.codec_buckets[-1]:
-        raise ValueError(f"codec_low_load_chunk ({cfg.codec_low_load_chunk}) must be 0 or at least the largest codec "
-                         f"chunk ({cfg.codec_buckets[-1]} frames)")
+    if cfg.codec_low_load_chunk < 0 or cfg.codec_defer_s < 0:
+        raise ValueError("codec_low_load_chunk and codec_defer_s must be >= 0, got "
+                         f"{cfg.codec_low_load_chunk} and {cfg.codec_defer_s}")
 
 
 def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float = 0.0, horizon_s: float = 0.0,

@@ -322,8 +322,9 @@ def test_reconfigure_swaps_policy_fields_only_and_only_when_idle(engine):
     assert policy_changes(dataclasses.replace(base, codec_low_load_chunk=16), base) == {"codec_low_load_chunk"}
     assert policy_changes(dataclasses.replace(base, codec_low_load_chunk=64), base) is None
     assert dataclasses.replace(base, codec_low_load_chunk=0).codec_shapes == ((8, 4), (8, 8), (32, 4), (32, 8))
+    assert dataclasses.replace(base, codec_low_load_chunk=4).low_load_frames == 8  # never below the 8-frame cap
     with pytest.raises(ValueError, match="codec_low_load_chunk"):
-        engine.reconfigure(dataclasses.replace(base, codec_low_load_chunk=4))
+        engine.reconfigure(dataclasses.replace(base, codec_low_load_chunk=-1))
     with pytest.raises(ValueError, match="codec_period"):
         engine.reconfigure(dataclasses.replace(base, codec_period=16))
     with pytest.raises(ValueError, match="pipeline_depth"):
