@@ -82,11 +82,10 @@ VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Mod
 
 def _w8a8_table_with_small_row(**tile) -> dict:
     """The MoE tuning table with one more W8A8 row in front, for <= 64 (token, slot) pairs (one to eight streams):
-    the FP8 decode tiles, activations quantised in-kernel (not prequant, whose gate/up N tile must be 128), and
-    `tile`. The table's prequant row gives one stream's gate/up I / 128 = 4 programs per expert, 32 in all."""
+    the table's W8A8 decode row with the activations quantised in-kernel (not prequant, whose gate/up N tile must be
+    128), and `tile`. The prequant row gives one stream's gate/up I / 128 = 4 programs per expert, 32 in all."""
     from kernels.moe.tuning import TRITON_TABLE
-    row = dict(block_m=16, gu_block_n=64, gu_block_k=128, dn_block_n=128, dn_block_k=128, gu_warps=4, gu_stages=4,
-               dn_warps=4, dn_stages=4) | tile
+    row = TRITON_TABLE["w8a8"][0][1] | {"prequant": False} | tile
     return TRITON_TABLE | {"w8a8": [(64, row)] + TRITON_TABLE["w8a8"]}
 
 

@@ -945,7 +945,7 @@ def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float
       `defer_s` (low load), none of those while each of them has at least `defer_s` (and `horizon_s`) of audio
       buffered, fewer than `cap` frames pending and its text chunk still running: their frames wait for a fuller
       call."""
-    ready, periodic_only = [], []
+    ready, periodic_only = [], set()  # slots taken only because the call is periodic
     for s, r in enumerate(slots):
         if r is None or not r.pending:
             continue
@@ -956,7 +956,7 @@ def codec_takes(slots, periodic: bool, first_chunk: int, cap: int, *, now: float
         if first_ready or running_dry or (periodic and (r.audio_chunks > 0 or r.chunk_done)):
             ready.append((s, r, min(len(r.pending), cap)))
             if not (first_ready or running_dry):
-                periodic_only.append(s)
+                periodic_only.add(s)
     if defer_s is not None and periodic_only and all(
             not r.chunk_done and len(r.pending) < cap and r.t_audio_end - now >= max(defer_s, horizon_s)
             for s, r, _ in ready if s in periodic_only):
