@@ -20,14 +20,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import Drama3Config, TextConfig
-from drama3_jax.nn import (Embedding, FusedLinear, Linear, RMSNorm, apply_rope_rotate_half, gated_cached_attention,
-                           rms_norm, swiglu)
+from drama3_jax.nn import Embedding, FusedLinear, Linear, RMSNorm, gated_cached_attention, rms_norm, swiglu
 from drama3_jax.packing import Packing
+from kernels.append_attention.api import HeadLayout, append_decode_attention
 from kernels.dense.api import linear
 from kernels.gdn import gdn_decode_step, gdn_prefill
 from kernels.gdn.reference import causal_conv1d, causal_conv1d_packed, gdn_gates
 from kernels.moe import ExpertWeights, moe_experts
 from kernels.moe.quant import ACT_GROUP
+from kernels.rope import apply_rope_rotate_half
 from kernels.router.api import router_topk
 
 
@@ -79,7 +80,12 @@ class Backends:
 
     tower_norm: the tower layers' two residual add + RMSNorm pairs (attention output -> ffn_norm, FFN output ->
     final_layernorm) as norm-kernel launches; "reference" keeps XLA's ops (off until timed: decode_profile variant
-    pallas_bf16_w8a8_fused_tower_norm)."""
+    pallas_bf16_w8a8_fused_tower_norm).
+
+    append_attention: a decode step's attention layers (backbone, fused projections; and tower) as one launch of
+    kernels/append_attention each: q / k norms, RoPE, the KV-cache write and the attention, ~8 fewer XLA kernels per
+    layer (23 layers per step); "reference" keeps the separate ops (off until timed: decode_profile variant
+    pallas_bf16_w8a8_fused_append)."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
@@ -93,6 +99,7 @@ class Backends:
     norm: str = "reference"
     norm_at_input: bool = False
     tower_norm: str = "reference"
+    append_attention: str = "reference"
 
     def __post_init__(self):
         if self.moe_activations not in ("bf16", "fp8"):
@@ -168,11 +175,32 @@ class GatedAttention(nnx.Module):
         self.qkv_proj = nnx.data(FusedLinear([self.q_proj, self.k_proj, self.v_proj]))
         del self.q_proj, self.k_proj, self.v_proj
 
+    def append_layout(self) -> HeadLayout | None:
+        """Where q_proj's [q_h | gate_h] heads and k, v sit in the fused projection's row (kernels/append_attention),
+        or None without fused projections or when a member does not start on a whole head."""
+        cfg = self.cfg
+        hd = cfg.head_dim
+        if self.qkv_proj is None or any(c % hd for c in self.qkv_proj.columns):
+            return None
+        _, k0, v0 = (c // hd for c in self.qkv_proj.columns)
+        return HeadLayout(cfg.num_attention_heads, cfg.num_key_value_heads, hd, q0=0, q_step=2, gate0=1, gate_step=2,
+                          k0=k0, v0=v0)
+
     def __call__(self, x, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
-                 dense: str = "reference", packing: Packing | None = None):
-        """x [B, T, H]; or packed prompts x [1, N, H] with `packing` (positions, caches and lengths per prompt)."""
+                 dense: str = "reference", packing: Packing | None = None, append: str = "reference"):
+        """x [B, T, H]; or packed prompts x [1, N, H] with `packing` (positions, caches and lengths per prompt).
+        `append`: a kernel backend of kernels/append_attention for decode rows (T == 1) of fused projections, or
+        "reference" (the separate ops below)."""
         cfg = self.cfg
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        layout = self.append_layout()
+        if append != "reference" and x.shape[1] == 1 and not fresh and packing is None and layout is not None:
+            proj = self.qkv_proj.project(x[:, 0], dense)
+            o, k_cache, v_cache = append_decode_attention(
+                proj, self.q_norm.weight[...], self.k_norm.weight[...], k_cache, v_cache, start, new_lengths,
+                layout=layout, rotary_dim=cfg.rotary_dim, rope_theta=cfg.rope_theta, rope_style="rotate_half",
+                eps=cfg.rms_norm_eps, zero_centered=self.q_norm.zero_centered, backend=append)
+            return self.o_proj(o[:, None], dense), k_cache, v_cache
         if self.qkv_proj is not None:
             qg, k, v = self.qkv_proj(x, dense)
         else:
@@ -445,7 +473,8 @@ def decoder_layer(layer: DecoderLayer, x, state: tuple, ctx: LayerContext, pendi
         x, h, _ = layer.input_layernorm.with_residual(x, pending, be.norm)
     if layer.layer_type == "full_attention":
         h, k, v = layer.self_attn(h, ctx.positions, *state, ctx.start, ctx.new_lengths, fresh=ctx.fresh,
-                                  backend=be.attention, dense=be.dense, packing=ctx.packing)
+                                  backend=be.attention, dense=be.dense, packing=ctx.packing,
+                                  append=be.append_attention)
         state = (k, v)
     else:
         h, conv, ssm = layer.linear_attn(h, *state, ctx.new_lengths, decode=ctx.decode, backends=be,

@@ -79,7 +79,7 @@ class Drama3Model(Drama3Backbone):
                          self.semantic_code(main), self.is_semantic(main), self.extra_features(rows), cache,
                          new_lengths, choose_code, fresh=fresh, backend=backends.attention,
                          compute_heads=compute_heads, dense=backends.dense, norm=backends.tower_norm,
-                         packing=packing)
+                         packing=packing, append=backends.append_attention)
 
     def teacher_forced(self, rows, lengths, max_len: int, *, backends: Backends = Backends(),
                        compute_heads: bool = True, cache_dtype=None):

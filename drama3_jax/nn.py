@@ -1,4 +1,5 @@
-"""Shared building blocks: linear/embedding modules named like the checkpoint, norms, RoPE, SwiGLU, FP8 dequant.
+"""Shared building blocks: linear/embedding modules named like the checkpoint, norms, SwiGLU, FP8 dequant (RoPE:
+kernels/rope.py).
 
 Numerics policy (one place): weights are stored in their checkpoint dtype (bf16; routed experts FP8 e4m3 with fp32
 block scales); matmuls run in the weight dtype; norms, softmax and RoPE are computed in fp32. Zero-centred norm
@@ -118,39 +119,6 @@ def gated_cached_attention(q, k, v, gate, positions, k_cache, v_cache, start, ne
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
-
-
-# ------------------------------------------------------------------------------------------------ RoPE
-def rope_inv_freq(rotary_dim: int, theta: float) -> jax.Array:
-    return 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-
-
-def apply_rope_rotate_half(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
-    """NeoX-style ("rotate half") RoPE on the first `rotary_dim` dims of each head, fp32 math.
-
-    x [B, T, H, D]; positions [B, T] int."""
-    inv = rope_inv_freq(rotary_dim, theta)
-    ang = positions.astype(jnp.float32)[..., None] * inv  # [B, T, rot/2]
-    cos = jnp.cos(ang)[:, :, None, :]
-    sin = jnp.sin(ang)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    half = rotary_dim // 2
-    x1, x2, rest = xf[..., :half], xf[..., half:rotary_dim], xf[..., rotary_dim:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1)
-    return out.astype(x.dtype)
-
-
-def apply_rope_interleaved(x: jax.Array, positions: jax.Array, rotary_dim: int, theta: float) -> jax.Array:
-    """GPT-J style RoPE on adjacent pairs (x[2i], x[2i+1]) of the first `rotary_dim` dims, fp32 math."""
-    inv = rope_inv_freq(rotary_dim, theta)
-    ang = positions.astype(jnp.float32)[..., None] * inv
-    cos = jnp.cos(ang)[:, :, None, :]
-    sin = jnp.sin(ang)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    pairs = xf[..., :rotary_dim].reshape(xf.shape[:-1] + (rotary_dim // 2, 2))
-    a, b = pairs[..., 0], pairs[..., 1]
-    rot = jnp.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(xf.shape[:-1] + (rotary_dim,))
-    return jnp.concatenate([rot, xf[..., rotary_dim:]], axis=-1).astype(x.dtype)
 
 
 # ------------------------------------------------------------------------------------------ block FP8

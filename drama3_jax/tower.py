@@ -23,9 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.config import TowerConfig
-from drama3_jax.nn import (Embedding, FusedLinear, Linear, RMSNorm, apply_rope_interleaved, gated_cached_attention,
-                           swiglu)
+from drama3_jax.nn import Embedding, FusedLinear, Linear, RMSNorm, gated_cached_attention, swiglu
 from drama3_jax.packing import Packing
+from kernels.append_attention.api import HeadLayout, append_decode_attention
+from kernels.rope import apply_rope_interleaved
 
 
 @jax.tree_util.register_dataclass
@@ -54,9 +55,17 @@ class TowerAttention(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
-                 dense: str = "reference", packing: Packing | None = None):
+                 dense: str = "reference", packing: Packing | None = None, append: str = "reference"):
+        """`append`: a kernel backend of kernels/append_attention for decode rows (T == 1), or "reference"."""
         cfg = self.cfg
         nh, nkv, hd = cfg.n_head, cfg.n_local_heads, cfg.head_dim
+        if append != "reference" and x.shape[1] == 1 and not fresh and packing is None:
+            layout = HeadLayout(nh, nkv, hd, q0=0, q_step=1, gate0=nh, gate_step=1, k0=2 * nh, v0=2 * nh + nkv)
+            o, k_cache, v_cache = append_decode_attention(
+                self.wqkv(x[:, 0], dense), self.q_norm.weight[...], self.k_norm.weight[...], k_cache, v_cache, start,
+                new_lengths, layout=layout, rotary_dim=cfg.rotary_dim, rope_theta=cfg.rope_base,
+                rope_style="interleaved", eps=cfg.norm_eps, zero_centered=self.q_norm.zero_centered, backend=append)
+            return self.wo(o[:, None], dense), k_cache, v_cache
         qkv = self.wqkv(x, dense)
         if packing is not None:  # packed prompts (drama3_jax/packing.py): attention per prompt
             qkv = packing.to_seqs(qkv)
@@ -118,13 +127,14 @@ class MTPLayer(nnx.Module):
         return e if extra is None else e + extra
 
     def __call__(self, h, e, positions, k_cache, v_cache, start, new_lengths, *, fresh: bool, backend: str,
-                 dense: str = "reference", norm: str = "reference", packing: Packing | None = None):
+                 dense: str = "reference", norm: str = "reference", packing: Packing | None = None,
+                 append: str = "reference"):
         """`norm`: "reference" (XLA's adds and norms) or a norm-kernel backend for the two residual add + norm
-        pairs (Backends.tower_norm)."""
+        pairs (Backends.tower_norm); `append`: TowerAttention's."""
         t = self.transformer_layer
         m = self.eh_proj(jnp.concatenate([self.enorm(e.astype(h.dtype)), self.hnorm(h)], axis=-1), dense)
         o, k_cache, v_cache = t.attention(t.attention_norm(m), positions, k_cache, v_cache, start, new_lengths,
-                                          fresh=fresh, backend=backend, dense=dense, packing=packing)
+                                          fresh=fresh, backend=backend, dense=dense, packing=packing, append=append)
         if norm == "reference":
             a = m + o
             f = a + t.feed_forward(t.ffn_norm(a), dense)
@@ -152,14 +162,15 @@ CodeChooser = Callable[[int, jax.Array], jax.Array]
 def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h, c0, label_sem, extra,
               cache: TowerCache, new_lengths, choose_code: CodeChooser, *, fresh: bool, backend: str = "reference",
               compute_heads: bool = True, dense: str = "reference", norm: str = "reference",
-              packing: Packing | None = None):
+              packing: Packing | None = None, append: str = "reference"):
     """Run the 13 tower layers at positions cache.lengths + t.
 
     h [B, T, dim] backbone final-norm hidden of rows t; c0 [B, T] semantic code of the predicted frame;
     label_sem [B, T] bool (predicted frame is semantic); extra [B, T, dim] fp32 (input-row codebooks the backbone did
     not see). `choose_code(i, logits_i)` gives code c_{i+1} (teacher label or a sample). Returns
     (codes [B, T, K-1] int32 = c1..c9, head logits [B, T, K-1, V] fp32 or None, updated cache). `backend` is the
-    attention backend, `dense` the projections' (kernels/dense), `norm` the residual add + norms' (MTPLayer). With
+    attention backend, `dense` the projections' (kernels/dense), `norm` the residual add + norms' (MTPLayer), `append`
+    the decode attention's (TowerAttention). With
     `packing`, h, c0, label_sem and extra are packed prompts [1, N, ...] and cache / new_lengths are per prompt (see
     Drama3Backbone.forward)."""
     B, T = (packing.num_seqs, packing.seq_len) if packing is not None else h.shape[:2]
@@ -171,14 +182,14 @@ def run_tower(shared: SharedStack, residual: ResidualStack, cfg: TowerConfig, h,
     for j, layer in enumerate(shared.layers):
         e = layer.embed(c0, sem, extra if j == 0 else None)
         x, ks[j], vs[j] = layer(x, e, positions, ks[j], vs[j], start, new_lengths, fresh=fresh, backend=backend,
-                                dense=dense, norm=norm, packing=packing)
+                                dense=dense, norm=norm, packing=packing, append=append)
     code = c0
     codes, logits = [], []
     n = cfg.n_layer
     for i, (layer, head) in enumerate(zip(residual.layers, residual.heads)):
         x, ks[n + i], vs[n + i] = layer(x, layer.embed(code, sem), positions, ks[n + i], vs[n + i], start,
                                         new_lengths, fresh=fresh, backend=backend, dense=dense, norm=norm,
-                                        packing=packing)
+                                        packing=packing, append=append)
         with jax.named_scope("tower_heads"):
             li = head(x, dense).astype(jnp.float32) if compute_heads else None
         code = choose_code(i, li).astype(jnp.int32)

@@ -71,6 +71,13 @@ VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Mod
     # with the tower layers' residual add + norm pairs as norm-kernel launches (Backends.tower_norm)
     "pallas_bf16_w8a8_fused_tower_norm": (
         dataclasses.replace(Backends.auto(), moe_activations="fp8", tower_norm="auto"), "bfloat16", True),
+    # with every attention layer's norms, RoPE, KV write and attention as one launch (Backends.append_attention)
+    "pallas_bf16_w8a8_fused_append": (
+        dataclasses.replace(Backends.auto(), moe_activations="fp8", append_attention="auto"), "bfloat16", True),
+    # the three kernel-count cuts together: append attention, norm_at_input, tower_norm
+    "pallas_bf16_w8a8_fused_append_norms": (
+        dataclasses.replace(Backends.auto(), moe_activations="fp8", append_attention="auto", norm_at_input=True,
+                            tower_norm="auto"), "bfloat16", True),
     # the decode-size Pallas projection kernel (kernels/dense) for the default step's GEMMs: timed at 128 slots only
     # (no change, experiments/results/dense_2026-12-01/), where one slot's GEMVs are ~1.7 of its ~4.5 ms
     "pallas_bf16_w8a8_fused_dense": (dataclasses.replace(Backends.auto(), moe_activations="fp8", dense="auto"),
@@ -111,8 +118,6 @@ PATCHES = {
     "pallas_bf16_w8a8_fused_xlashift": ("pallas_bf16_w8a8_fused", [
         ("kernels.gdn.pallas_triton", "TUNING", "decode", {"conv_shift": "xla"}),
     ]),
-    # the GDN decode kernels' and the router's inputs as slices of the fused projections (copies), as before
-    # 2026-12-06's twenty-seventh session
     # one to eight streams: narrow gate/up (and down) N tiles for more programs per expert
     "pallas_bf16_w8a8_fused_moe_gu16": ("pallas_bf16_w8a8_fused", [
         ("kernels.moe.pallas_triton", "TRITON_TABLE", None, _w8a8_table_with_small_row(gu_block_n=16, gu_warps=1)),
@@ -124,6 +129,8 @@ PATCHES = {
         ("kernels.moe.pallas_triton", "TRITON_TABLE", None,
          _w8a8_table_with_small_row(gu_block_n=16, gu_warps=1, dn_block_n=64, dn_warps=2)),
     ]),
+    # the GDN decode kernels' and the router's inputs as slices of the fused projections (copies), as before
+    # 2026-12-06's twenty-seventh session
     "pallas_bf16_w8a8_fused_sliced_inputs": ("pallas_bf16_w8a8_fused", [
         ("drama3_jax.backbone", "FUSED_OUTPUTS_IN_PLACE", None, False),
     ]),

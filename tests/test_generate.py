@@ -287,3 +287,39 @@ def test_packed_prefill_with_the_flash_attention_kernel(model, tok, monkeypatch)
             a, b = a * keep, b * keep
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)  # fp32; the online softmax sums in another order
     np.testing.assert_allclose(np.asarray(got.h), np.asarray(want.h), rtol=1e-4, atol=1e-4)
+
+
+def test_append_attention_kernel_in_the_decode_step(tiny_fp8_dir, tok):
+    """Backends.append_attention="pallas_triton" (interpret mode on the CPU): every attention layer of a decode step
+    (the backbone's, with fused projections, and the tower's 13) as one append-attention launch gives the separate
+    ops' tokens, hidden and caches, over a pool prefix with a free row, for three frames."""
+    import dataclasses
+
+    import jax
+
+    from drama3_jax.generate import _prefiller, frame_step_prefix
+    model = drama3_jax.load_talker(tiny_fp8_dir, dtype=jnp.float32).fuse_projections()
+    cfg = model.cfg
+    prompts = [build_prompt(tok, cfg, "One small step."), build_prompt(tok, cfg, "A free slot's stale row."),
+               build_prompt(tok, cfg, "Numbers: 3.14 and 12:30."), build_prompt(tok, cfg, "Past the prefix.")]
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    prefill = _prefiller(model, 256, Backends())
+    rows = np.zeros((4, -(-int(lengths.max()) // prefill.chunk) * prefill.chunk, cfg.row_width), np.int32)
+    for i, p in enumerate(prompts):
+        rows[i, :len(p)] = p
+    pool = prefill(rows, lengths, RequestSampling.make([SamplingParams()] * 4, [5, 6, 7, 8]))
+    pool = dataclasses.replace(pool, active=jnp.asarray([1, 0, 1, 1], jnp.int32))
+    fused = Backends(append_attention="pallas_triton")
+    n_att = cfg.text.layer_types.count("full_attention") + cfg.tower.num_layers
+    jaxpr = str(jax.make_jaxpr(lambda s: frame_step_prefix(model, s, 3, fused))(pool))
+    assert jaxpr.count("name=append_decode_attention") == n_att
+    ref_step = jax.jit(lambda s: frame_step_prefix(model, s, 3, Backends()))
+    got_step = jax.jit(lambda s: frame_step_prefix(model, s, 3, fused))
+    ref, got = pool, pool
+    for _ in range(3):
+        want, ref = ref_step(ref)
+        out, got = got_step(got)
+        np.testing.assert_array_equal(np.asarray(out)[[0, 2]], np.asarray(want)[[0, 2]])
+    np.testing.assert_allclose(np.asarray(got.h[:3]), np.asarray(ref.h[:3]), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(got.cache), jax.tree.leaves(ref.cache)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

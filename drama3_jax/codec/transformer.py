@@ -15,7 +15,8 @@ from flax import nnx
 
 from drama3_jax.codec.config import CodecTransformerConfig
 from drama3_jax.codec.layers import next_context
-from drama3_jax.nn import Linear, RMSNorm, rope_inv_freq, swiglu
+from drama3_jax.nn import Linear, RMSNorm, swiglu
+from kernels.rope import rope_inv_freq
 
 _FAR = 1 << 30  # position given to padding queries/keys: they only see each other
 

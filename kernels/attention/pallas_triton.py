@@ -88,7 +88,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, G, Gp, D, BK
     plt.store(acc_ref.at[b, h, s, :, :], acc, mask=jnp.broadcast_to(grp[:, None], (Gp, D)))
 
 
-def _combine(m, l, acc, G):
+def combine_splits(m, l, acc, G):
     """Merge the split partials m, l [B, Hkv, NS, Gp], acc [B, Hkv, NS, Gp, D] (rows >= G unwritten) into
     [B, Hkv, G, D] fp32; zeros where no key was visible."""
     m, l, acc = m[..., :G], l[..., :G], acc[..., :G, :]
@@ -128,7 +128,7 @@ def decode_attention_triton(q, k_cache, v_cache, kv_len, *, scale: float, block_
         compiler_params=plt.CompilerParams(num_warps=p["num_warps"], num_stages=p["num_stages"]),
         interpret=interpret, name="decode_attention",
     )(kv_len, q, k_cache, v_cache)
-    return _combine(m, l, acc, G).reshape(B, Hq, D).astype(q.dtype)
+    return combine_splits(m, l, acc, G).reshape(B, Hq, D).astype(q.dtype)
 
 
 # ==================================================================================================== prefill
