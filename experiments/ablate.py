@@ -134,6 +134,9 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
     "norm_at_input": ("MoE output added by XLA before the next layer's input RMSNorm -> both in the norm kernel's "
                       "launch", _backends(norm_at_input=True)),
     "tower_norm": ("tower residual add + RMSNorm pairs in XLA -> norm-kernel launches", _backends(tower_norm="auto")),
+    "append_attention": ("decode attention layers as separate XLA ops around the attention kernel -> one append-"
+                         "attention launch each (q/k norms, RoPE, KV write, attention)",
+                         _backends(append_attention="auto")),
     "norm_ref": ("residual add + RMSNorm + the MoE input's e4m3 groups as one Pallas launch -> XLA's ops, the MoE "
                  "quantising its input", _backends(norm="reference")),
     "ssm_fp32": ("bf16 GDN state -> fp32", lambda c: dataclasses.replace(c, ssm_state_dtype="float32")),
