@@ -28,14 +28,10 @@ from jax.experimental.pallas import triton as plt
 
 from kernels.append_attention.layout import HeadLayout
 from kernels.append_attention.reference import split_heads
-from kernels.attention.pallas_triton import MIN_ROWS, TUNING, auto_splits, combine_splits
+from kernels.attention.pallas_triton import MIN_ROWS, TUNING, _next_pow2, auto_splits, combine_splits
 from kernels.rope import rope_inv_freq
 
 f32 = jnp.float32
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _rope_pattern(D: int, rot: int, style: str):
@@ -71,7 +67,7 @@ def _kernel(len_ref, pos_ref, proj_ref, qw_ref, kw_ref, cos_ref, sin_ref, k_ref,
     sin = plt.load(sin_ref.at[b, freq], mask=inrot, other=0.0)
 
     def norm_rope(cols, ok, w_ref):
-        """Rows of raw head vectors at chunk*D + d (cols [..., 1] chunk offsets) -> normed, rotated, in dt."""
+        """The head vectors whose first columns are `cols` ([Gp, 1] or a scalar) -> normed, rotated, in dt."""
         x = plt.load(proj_ref.at[b, cols + d], mask=ok, other=0).astype(f32)
         xp = plt.load(proj_ref.at[b, cols + partner], mask=ok, other=0).astype(f32)
         inv = jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) / D + eps)
@@ -145,8 +141,8 @@ def append_decode_attention_triton(proj, q_norm, k_norm, k_cache, v_cache, start
     S, L, Hkv, D = k_cache.shape
     Hq = layout.num_q_heads
     G = Hq // Hkv
-    Gp = max(MIN_ROWS, _pow2(G))
-    if D != _pow2(D):
+    Gp = max(MIN_ROWS, _next_pow2(G))
+    if D != _next_pow2(D):
         raise ValueError(f"the Triton kernel wants a power-of-two head dim, got {D}")
     BK = p["block_k"]
     NS = p["num_splits"] or auto_splits(B, Hkv, L, BK, p["target_programs"], p["max_splits"])
