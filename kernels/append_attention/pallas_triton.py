@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plt
 
 from kernels.append_attention.layout import HeadLayout
 from kernels.append_attention.reference import split_heads
-from kernels.attention.pallas_triton import MIN_ROWS, TUNING, _next_pow2, auto_splits, combine_splits
+from kernels.attention.pallas_triton import MIN_ROWS, TUNING, _next_pow2, auto_splits, combine_splits, walk_split
 from kernels.rope import rope_inv_freq
 
 f32 = jnp.float32
@@ -96,29 +96,8 @@ def _kernel(len_ref, pos_ref, proj_ref, qw_ref, kw_ref, cos_ref, sin_ref, k_ref,
     l0 = jnp.full((Gp,), 1.0, f32) * took
     acc0 = jnp.broadcast_to(v_new.astype(f32)[None, :], (Gp, D)) * took
 
-    nblk = (n_old + BK - 1) // BK
-    per = (nblk + NS - 1) // NS
-    lo = jnp.minimum(s * per, nblk)
-    hi = jnp.minimum(lo + per, nblk)
-    kr = jax.lax.broadcasted_iota(jnp.int32, (BK, 1), 0)
-
-    def body(j, carry):
-        m, l, acc = carry
-        rows = pl.ds(j * BK, BK)
-        live = (j * BK + kr) < n_old                            # [BK, 1]
-        k = plt.load(k_ref.at[b, rows, h, :], mask=jnp.broadcast_to(live, (BK, D)), other=0).astype(dt)
-        v = plt.load(v_ref.at[b, rows, h, :], mask=jnp.broadcast_to(live, (BK, D)), other=0).astype(dt)
-        sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
-        sc = jnp.where(jnp.broadcast_to(live.reshape(1, BK), (Gp, BK)), sc * scale, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(sc, axis=1))             # finite: every walked block has a live key
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(sc - m_new[:, None])
-        l = alpha * l + jnp.sum(p, axis=1)
-        pv = jax.lax.dot_general(p.astype(dt), v, (((1,), (0,)), ((), ())), precision=prec,
-                                 preferred_element_type=f32)
-        return m_new, l, acc * alpha[:, None] + pv
-
-    m, l, acc = jax.lax.fori_loop(lo, hi, body, (m0, l0, acc0))
+    m, l, acc = walk_split(k_ref, v_ref, q, n_old, (m0, l0, acc0), b=b, h=h, s=s, BK=BK, NS=NS, scale=scale,
+                           prec=prec)
     gi = g[:, 0]
     plt.store(m_ref.at[b, h, s, :], m, mask=gi < G)
     plt.store(l_ref.at[b, h, s, :], l, mask=gi < G)

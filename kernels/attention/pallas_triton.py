@@ -54,23 +54,23 @@ def auto_splits(B: int, Hkv: int, L: int, block_k: int, target_programs: int, ma
     return max(1, min(want, max_splits, -(-L // block_k)))
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, G, Gp, D, BK, NS, scale, prec):
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    n = len_ref[b]
+def walk_split(k_ref, v_ref, q, n, init, *, b, h, s, BK, NS, scale, prec):
+    """Online softmax of the query group q [Gp, D] over split s's run of the key blocks 0 .. n - 1 of sequence b,
+    kv head h (the blocks dealt out in contiguous runs to NS splits), from carry init = (m, l, acc). Returns
+    (m [Gp], l [Gp], acc [Gp, D]) fp32; a split that gets no block returns init."""
+    Gp, D = q.shape
     nblk = (n + BK - 1) // BK
     per = (nblk + NS - 1) // NS
     lo = jnp.minimum(s * per, nblk)
     hi = jnp.minimum(lo + per, nblk)
-    grp = jax.lax.broadcasted_iota(jnp.int32, (Gp,), 0) < G     # real query rows of the padded group
-    q = plt.load(q_ref.at[b, pl.ds(h * G, Gp), :], mask=jnp.broadcast_to(grp[:, None], (Gp, D)), other=0)
     kr = jax.lax.broadcasted_iota(jnp.int32, (BK, 1), 0)
 
     def body(j, carry):
         m, l, acc = carry
         rows = pl.ds(j * BK, BK)
         live = (j * BK + kr) < n                                # [BK, 1]
-        k = plt.load(k_ref.at[b, rows, h, :], mask=jnp.broadcast_to(live, (BK, D)), other=0)
-        v = plt.load(v_ref.at[b, rows, h, :], mask=jnp.broadcast_to(live, (BK, D)), other=0)
+        k = plt.load(k_ref.at[b, rows, h, :], mask=jnp.broadcast_to(live, (BK, D)), other=0).astype(q.dtype)
+        v = plt.load(v_ref.at[b, rows, h, :], mask=jnp.broadcast_to(live, (BK, D)), other=0).astype(q.dtype)
         sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec, preferred_element_type=f32)
         sc = jnp.where(jnp.broadcast_to(live.reshape(1, BK), (Gp, BK)), sc * scale, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))             # finite: every walked block has a live key
@@ -81,8 +81,15 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, G, Gp, D, BK
                                  preferred_element_type=f32)
         return m_new, l, acc * alpha[:, None] + pv
 
+    return jax.lax.fori_loop(lo, hi, body, init)
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *, G, Gp, D, BK, NS, scale, prec):
+    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    grp = jax.lax.broadcasted_iota(jnp.int32, (Gp,), 0) < G     # real query rows of the padded group
+    q = plt.load(q_ref.at[b, pl.ds(h * G, Gp), :], mask=jnp.broadcast_to(grp[:, None], (Gp, D)), other=0)
     init = (jnp.full((Gp,), -jnp.inf, f32), jnp.zeros((Gp,), f32), jnp.zeros((Gp, D), f32))
-    m, l, acc = jax.lax.fori_loop(lo, hi, body, init)
+    m, l, acc = walk_split(k_ref, v_ref, q, len_ref[b], init, b=b, h=h, s=s, BK=BK, NS=NS, scale=scale, prec=prec)
     plt.store(m_ref.at[b, h, s, :], m, mask=grp)
     plt.store(l_ref.at[b, h, s, :], l, mask=grp)
     plt.store(acc_ref.at[b, h, s, :, :], acc, mask=jnp.broadcast_to(grp[:, None], (Gp, D)))
