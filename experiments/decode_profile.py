@@ -118,7 +118,8 @@ PATCHES = {
     "pallas_bf16_w8a8_fused_xlashift": ("pallas_bf16_w8a8_fused", [
         ("kernels.gdn.pallas_triton", "TUNING", "decode", {"conv_shift": "xla"}),
     ]),
-    # one to eight streams: narrow gate/up (and down) N tiles for more programs per expert
+    # one to eight streams: narrow gate/up (and down) N tiles for more programs per expert (gu16 at one slot: 5.08
+    # against 4.45 ms on an H100, rejected; experiments/results/append_2026-12-07_h100/)
     "pallas_bf16_w8a8_fused_moe_gu16": ("pallas_bf16_w8a8_fused", [
         ("kernels.moe.pallas_triton", "TRITON_TABLE", None, _w8a8_table_with_small_row(gu_block_n=16, gu_warps=1)),
     ]),
