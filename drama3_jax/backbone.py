@@ -193,8 +193,8 @@ class GatedAttention(nnx.Module):
         "reference" (the separate ops below)."""
         cfg = self.cfg
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        layout = self.append_layout()
-        if append != "reference" and x.shape[1] == 1 and not fresh and packing is None and layout is not None:
+        if (append != "reference" and x.shape[1] == 1 and not fresh and packing is None
+                and (layout := self.append_layout()) is not None):
             proj = self.qkv_proj.project(x[:, 0], dense)
             o, k_cache, v_cache = append_decode_attention(
                 proj, self.q_norm.weight[...], self.k_norm.weight[...], k_cache, v_cache, start, new_lengths,

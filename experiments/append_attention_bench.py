@@ -119,11 +119,13 @@ def main(argv=None):
             log(row)
             rows.append(row)
     dev = jax.devices()[0]
-    R = dict(command=command_line(a.out), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-             device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__, rows=rows)
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes")
+    R = dict(command=command_line(a.out), date=now, device=getattr(dev, "device_kind", str(dev)), jax=jax.__version__,
+             rows=rows)
     save_json(R, os.path.join(a.out, "append_attention_bench.json"))
     md = [f"# Append decode attention ({R['device']}, jax {R['jax']}, {R['date']})", "", f"Command: `{R['command']}`",
-          "", "| streams | layout | separate ops us | one launch us | speedup | roofline us | out rel err | k row rel err |",
+          "", "| streams | layout | separate ops us | one launch us | speedup | roofline us | out rel err "
+          "| k row rel err |",
           "|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['streams']} | {r['layout']} | {r['ref_us']} | {r['kernel_us']} | {r['speedup']}x | "
            f"{r['roofline_us']} | {r['out_rel_err']:.1e} | {r['k_row_rel_err']:.1e} |" for r in rows]

@@ -28,8 +28,8 @@ def append_decode_attention(proj, q_norm, k_norm, k_cache, v_cache, start, new_l
     RMSNorm weights ((1 + w) when zero_centered); k_cache, v_cache [S, L, Hkv, head_dim], S >= B (rows [0, B) are
     the sequences: a slot pool's prefix); start [B] int: the new row's position (= the cache length before it; a
     row at >= L is not written and the whole cache is visible); new_lengths [B] int: 1 sees the new row, 0 attends
-    to rows < start only (a free slot; its row is written either way). RoPE (`rope_style` in ROPE_STYLES) on the first `rotary_dim` dims of each head.
-    Returns (o [B, Hq * head_dim] in proj.dtype, gated; k_cache; v_cache)."""
+    to rows < start only (a free slot; its row is written either way). RoPE (`rope_style` in ROPE_STYLES) on the
+    first `rotary_dim` dims of each head. Returns (o [B, Hq * head_dim] in proj.dtype, gated; k_cache; v_cache)."""
     S, L, Hkv, D = k_cache.shape
     if v_cache.shape != k_cache.shape or Hkv != layout.num_kv_heads or D != layout.head_dim:
         raise ValueError(f"caches {k_cache.shape} / {v_cache.shape} do not match {layout}")

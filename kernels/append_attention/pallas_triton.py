@@ -7,7 +7,8 @@ experiments/results/decode_2026-12-07_h100/). Here each program (sequence b, kv 
 group and the new k / v straight from the fused projection row, normalises and rotates them in registers, walks its
 run of the cached keys (rows < position, flash-decoding splits as in the attention kernel) and adds the new key from
 registers; split 0 also writes the new k / v into the caches (aliased in place), so no program reads a row being
-written (rows at position >= the cache length are dropped, as the reference's scatter does). The splits merge in plain jnp with the output gate (`combine_splits`).
+written (rows at position >= the cache length are dropped, as the reference's scatter does). The splits merge in
+plain jnp with the output gate (`combine_splits`).
 
 RoPE in registers: element d of a head pairs with element `partner[d]` (d +- rotary/2 for rotate-half, d ^ 1 for
 interleaved pairs), loaded a second time at the permuted columns and normalised with the same row statistic, so no
@@ -28,7 +29,8 @@ from jax.experimental.pallas import triton as plt
 
 from kernels.append_attention.layout import HeadLayout
 from kernels.append_attention.reference import split_heads
-from kernels.attention.pallas_triton import MIN_ROWS, TUNING, _next_pow2, auto_splits, combine_splits, walk_split
+from kernels.attention.pallas_triton import (MIN_ROWS, _next_pow2, _params, auto_splits, combine_splits,
+                                             walk_split)
 from kernels.rope import rope_inv_freq
 
 f32 = jnp.float32
@@ -112,10 +114,8 @@ def append_decode_attention_triton(proj, q_norm, k_norm, k_cache, v_cache, start
                                    max_splits: int | None = None, interpret: bool | None = None):
     """Same contract as `api.append_decode_attention`; tuning as kernels/attention's decode kernel (TUNING there).
     interpret=None runs the kernel on GPU and in Pallas interpret mode elsewhere."""
-    p = dict(TUNING)
-    p.update({k: v for k, v in dict(block_k=block_k, num_splits=num_splits, num_warps=num_warps,
-                                    num_stages=num_stages, target_programs=target_programs,
-                                    max_splits=max_splits).items() if v is not None})
+    p = _params(dict(block_k=block_k, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                     target_programs=target_programs, max_splits=max_splits))
     B = proj.shape[0]
     S, L, Hkv, D = k_cache.shape
     Hq = layout.num_q_heads
