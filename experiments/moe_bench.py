@@ -70,6 +70,10 @@ W8A8_DECODE_VARIANTS = {  # one knob at a time around its decode base (the FP8 d
     # quantisation outside the K loops (kernels/moe/pallas_triton.py, prequant): gate/up N tiles of 128
     "prequant": dict(gu_block_n=128, prequant=True),
     "prequant,dn_bn128,dn_w4": dict(gu_block_n=128, dn_block_n=128, dn_warps=4, prequant=True),
+    # the table's decode row with the gate/up K loop split over 2 / 4 / 8 programs (gu_split_k): 64 / 128 / 256
+    # gate/up programs for one stream instead of 32
+    **{f"prequant,dn_bn128,dn_w4,split{s}": dict(gu_block_n=128, dn_block_n=128, dn_warps=4, prequant=True,
+                                                 gu_split_k=s) for s in (2, 4, 8)},
 }
 W8A8_PREFILL_VARIANTS = {  # around the prefill base (64-row blocks, 128 x 128 tiles, 4 warps, 3 stages)
     "bm128,w8": dict(block_m=128, gu_warps=8, dn_warps=8),
