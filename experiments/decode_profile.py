@@ -132,10 +132,11 @@ PATCHES = {
         ("kernels.moe.pallas_triton", "TRITON_TABLE", None,
          _w8a8_table_with_small_row(gu_block_n=16, gu_warps=1, dn_block_n=64, dn_warps=2, prequant=False)),
     ]),
-    # one stream (8 pairs): the gate/up K loop split over 4 / 8 programs (gu_split_k), 128 / 256 programs in all
+    # one stream (8 pairs): the gate/up K loop split over 2 / 4 programs (gu_split_k), 64 / 128 programs in all; the
+    # down kernel with fewer stages where the split's partial tiles would not fit its shared memory
     **{f"pallas_bf16_w8a8_fused_moe_split{s}": ("pallas_bf16_w8a8_fused", [
-        ("kernels.moe.pallas_triton", "TRITON_TABLE", None, _w8a8_table_with_small_row(8, gu_split_k=s)),
-    ]) for s in (4, 8)},
+        ("kernels.moe.pallas_triton", "TRITON_TABLE", None, _w8a8_table_with_small_row(8, gu_split_k=s, dn_stages=st)),
+    ]) for s, st in ((2, 4), (4, 2))},
     # the GDN decode kernels' and the router's inputs as slices of the fused projections (copies), as before
     # 2026-12-06's twenty-seventh session
     "pallas_bf16_w8a8_fused_sliced_inputs": ("pallas_bf16_w8a8_fused", [

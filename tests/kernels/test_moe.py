@@ -457,7 +457,7 @@ def test_w8a8_split_k_kernels_compile_for_h200_without_spills():
     from kernels.moe.tuning import TRITON_TABLE
 
     h, i, e, split = 2048, 512, 256, 4
-    cfg = dataclasses.replace(pick(TRITON_TABLE, 8, fp8=True, act_fp8=True), gu_split_k=split)
+    cfg = dataclasses.replace(pick(TRITON_TABLE, 8, fp8=True, act_fp8=True), gu_split_k=split, dn_stages=2)
     w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                      random_expert_weights(_key(), e, h, i, fp8=True))
     x = jax.ShapeDtypeStruct((1, h), jnp.bfloat16)
@@ -470,4 +470,5 @@ def test_w8a8_split_k_kernels_compile_for_h200_without_spills():
     assert len(gate_up) == len(down) == 1, [t[:200] for t in ttirs]
     for ttir, warps, stages in ((gate_up[0], cfg.gu_warps, cfg.gu_stages), (down[0], cfg.dn_warps, cfg.dn_stages)):
         res, _ = compile_ttir(ttir, warps, stages)
-        assert res["spill_bytes"] == 0, res
+        # 227 KB: the H200's shared memory per block (split 4 with 4 down stages asks for 244 KB: refused on device)
+        assert res["spill_bytes"] == 0 and res["shared_bytes"] <= 232_448, res
