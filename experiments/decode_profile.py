@@ -87,13 +87,13 @@ VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Mod
 }
 
 
-def _w8a8_table_with_small_row(max_pairs: int = 64, **tile) -> dict:
-    """The MoE tuning table with one more W8A8 row in front, for <= `max_pairs` (token, slot) pairs (64: one to
-    eight streams): the table's W8A8 decode row with `tile` on top. That row (prequant) gives one stream's gate/up
-    I / 128 = 4 programs per expert, 32 in all; narrower N tiles need in-kernel quantisation (prequant=False)."""
+def _w8a8_table_with_small_row(**tile) -> dict:
+    """The MoE tuning table with one more W8A8 row in front, for <= 64 (token, slot) pairs (one to eight streams):
+    the table's W8A8 decode row with the activations quantised in-kernel (not prequant, whose gate/up N tile must be
+    128), and `tile`. The prequant row gives one stream's gate/up I / 128 = 4 programs per expert, 32 in all."""
     from kernels.moe.tuning import TRITON_TABLE
-    row = TRITON_TABLE["w8a8"][0][1] | tile
-    return TRITON_TABLE | {"w8a8": [(max_pairs, row)] + TRITON_TABLE["w8a8"]}
+    row = TRITON_TABLE["w8a8"][0][1] | {"prequant": False} | tile
+    return TRITON_TABLE | {"w8a8": [(64, row)] + TRITON_TABLE["w8a8"]}
 
 
 # variants that also switch a module-level choice, for A/B runs in one call: (module, attribute, key or None, value)
@@ -121,22 +121,15 @@ PATCHES = {
     # one to eight streams: narrow gate/up (and down) N tiles for more programs per expert (gu16 at one slot: 5.08
     # against 4.45 ms on an H100, rejected; experiments/results/append_2026-12-07_h100/)
     "pallas_bf16_w8a8_fused_moe_gu16": ("pallas_bf16_w8a8_fused", [
-        ("kernels.moe.pallas_triton", "TRITON_TABLE", None,
-         _w8a8_table_with_small_row(gu_block_n=16, gu_warps=1, prequant=False)),
+        ("kernels.moe.pallas_triton", "TRITON_TABLE", None, _w8a8_table_with_small_row(gu_block_n=16, gu_warps=1)),
     ]),
     "pallas_bf16_w8a8_fused_moe_gu32": ("pallas_bf16_w8a8_fused", [
-        ("kernels.moe.pallas_triton", "TRITON_TABLE", None,
-         _w8a8_table_with_small_row(gu_block_n=32, gu_warps=2, prequant=False)),
+        ("kernels.moe.pallas_triton", "TRITON_TABLE", None, _w8a8_table_with_small_row(gu_block_n=32, gu_warps=2)),
     ]),
     "pallas_bf16_w8a8_fused_moe_gu16_dn64": ("pallas_bf16_w8a8_fused", [
         ("kernels.moe.pallas_triton", "TRITON_TABLE", None,
-         _w8a8_table_with_small_row(gu_block_n=16, gu_warps=1, dn_block_n=64, dn_warps=2, prequant=False)),
+         _w8a8_table_with_small_row(gu_block_n=16, gu_warps=1, dn_block_n=64, dn_warps=2)),
     ]),
-    # one stream (8 pairs): the gate/up K loop split over 2 / 4 programs (gu_split_k), 64 / 128 programs in all; the
-    # down kernel with fewer stages where the split's partial tiles would not fit its shared memory
-    **{f"pallas_bf16_w8a8_fused_moe_split{s}": ("pallas_bf16_w8a8_fused", [
-        ("kernels.moe.pallas_triton", "TRITON_TABLE", None, _w8a8_table_with_small_row(8, gu_split_k=s, dn_stages=st)),
-    ]) for s, st in ((2, 4), (4, 2))},
     # the GDN decode kernels' and the router's inputs as slices of the fused projections (copies), as before
     # 2026-12-06's twenty-seventh session
     "pallas_bf16_w8a8_fused_sliced_inputs": ("pallas_bf16_w8a8_fused", [

@@ -70,13 +70,6 @@ W8A8_DECODE_VARIANTS = {  # one knob at a time around its decode base (the FP8 d
     # quantisation outside the K loops (kernels/moe/pallas_triton.py, prequant): gate/up N tiles of 128
     "prequant": dict(gu_block_n=128, prequant=True),
     "prequant,dn_bn128,dn_w4": dict(gu_block_n=128, dn_block_n=128, dn_warps=4, prequant=True),
-    # the table's decode row with the gate/up K loop split over 2 / 4 / 8 programs (gu_split_k): 64 / 128 / 256
-    # gate/up programs for one stream instead of 32. The down kernel pipelines the split's fp32 partial tiles with
-    # its weight tiles, so more splits need fewer down stages to fit shared memory (split 4 with 4 stages asked for
-    # 244 KB on the device, 2026-12-07; the sm_90a compiler reports 164 KB with 3 stages, 84 KB with 2)
-    **{f"prequant,dn_bn128,dn_w4,split{s},dn_s{st}": dict(gu_block_n=128, dn_block_n=128, dn_warps=4, prequant=True,
-                                                          gu_split_k=s, dn_stages=st)
-       for s, st in ((2, 4), (2, 2), (4, 3), (4, 2), (8, 2))},
 }
 W8A8_PREFILL_VARIANTS = {  # around the prefill base (64-row blocks, 128 x 128 tiles, 4 warps, 3 stages)
     "bm128,w8": dict(block_m=128, gu_warps=8, dn_warps=8),

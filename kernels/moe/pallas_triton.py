@@ -22,9 +22,6 @@ each K loop (every N tile of a block quantises the block's rows again: cheap for
 outside: x quantised by one XLA op before the gate/up kernel, and the SwiGLU output quantised in the gate/up epilogue
 (one 128-column group per N tile) and stored as e4m3 + scales, so both K loops are pure FP8 loads and dots (the
 layout of DeepSeek-V3's FP8 recipe, and of vLLM's block-FP8 fused_moe with per-token-group quantisation).
-Split-K (`gu_split_k`, prequant only): for one to a few streams the gate/up grid has only I / 128 programs per touched
-expert, so its K loop is split over a third grid axis; the programs store fp32 partial sums and the down kernel,
-whose K tile is the same 128-column group, adds them up, applies SwiGLU and quantises the group where it reads it.
 
 Options (TritonMoeConfig, chosen per regime in kernels/moe/tuning.py from H200 sweeps): `gu_f16` runs the gate/up GEMM in
 f16 when the weights are FP8 (e4m3 -> f16 is a single convert on sm90, -> bf16 is not; assumes |x| < 65504, true for the
@@ -87,17 +84,6 @@ def _check_prequant(cfg: TritonMoeConfig, act_fp8: bool, gu_bn: int, scale) -> b
     return True
 
 
-def _check_split_k(cfg: TritonMoeConfig, prequant: bool, k_steps: int) -> int:
-    """The gate/up K split of `cfg`, checked against the layer's K steps; raises on a config that cannot run it."""
-    if cfg.gu_split_k == 1:
-        return 1
-    if not prequant:
-        raise ValueError("gu_split_k is a prequant (W8A8) layout: the down kernel quantises the SwiGLU of the sums")
-    if cfg.gu_split_k < 1 or k_steps % cfg.gu_split_k:
-        raise ValueError(f"gu_split_k must divide the gate/up K steps ({k_steps}), got {cfg.gu_split_k}")
-    return cfg.gu_split_k
-
-
 def _scaled_dot(a, w, scale, row_scale, *, swap_ab):
     """fp32 partial product of one K step: a [bm, bk] times the weight tile w [bn, bk] (same dtype: bf16/f16, or both
     e4m3 for W8A8), times the weight block `scale` (None for bf16 weights) and the per-row scale of a quantised `a`
@@ -114,32 +100,15 @@ def _scaled_dot(a, w, scale, row_scale, *, swap_ab):
     return d if row_scale is None else d * row_scale
 
 
-def _swiglu(gate, up):
-    """silu(gate) * up in fp32."""
-    return gate / (1.0 + jnp.exp(-gate)) * up
-
-
-def _swiglu_of_split_sums(gs_ref, us_ref, rows, cols, split_k):
-    """The e4m3 rows (and their scales) of silu(gate) * up at [rows, cols] from the gate/up kernel's split-K partial
-    sums [split_k, rows, I]: the values and rounding of the prequant gate/up epilogue, computed where they are used."""
-    g = gs_ref[0, rows, cols]
-    u = us_ref[0, rows, cols]
-    for s in range(1, split_k):
-        g = g + gs_ref[s, rows, cols]
-        u = u + us_ref[s, rows, cols]
-    return quantize_rows_fp8(_swiglu(g, u).astype(jnp.bfloat16))
-
-
 def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu_ref, *rest, top_k, bm, bn, bk,
-                    n_k, sblock, fp8, swap_ab, cdt, act_fp8, prequant, split_k):
+                    n_k, sblock, fp8, swap_ab, cdt, act_fp8, prequant):
     rest = list(rest)
     sg_ref, su_ref = (rest.pop(0), rest.pop(0)) if fp8 else (None, None)
     xs_ref = rest.pop(0) if prequant else None
-    act_ref = rest.pop(0)  # with split_k > 1: the gate partial sums, then the up ones in as_ref
+    act_ref = rest.pop(0)
     as_ref = rest.pop(0) if prequant else None
     n = pl.program_id(0)
     b = pl.program_id(1)
-    s = pl.program_id(2) if split_k > 1 else 0  # this program's run of n_k K steps
     e = expert_ref[b]
 
     @pl.when(e >= 0)
@@ -151,9 +120,8 @@ def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu
         tok = jnp.where(r < nrows, pair // top_k, 0)  # padding rows read token 0; they are never stored downstream
         n0 = pl.multiple_of(n * bn, bn)
 
-        def body(j, carry):
+        def body(i, carry):
             accg, accu = carry
-            i = s * n_k + j
             k0 = pl.multiple_of(i * bk, bk)
             xt = x_ref[tok, pl.ds(k0, bk)]
             wg = wg_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
@@ -175,11 +143,7 @@ def _gate_up_kernel(expert_ref, row0_ref, rows_ref, order_ref, x_ref, wg_ref, wu
 
         z = jnp.zeros((bn, bm) if swap_ab else (bm, bn), _F32)
         accg, accu = jax.lax.fori_loop(0, n_k, body, (z, z))
-        if split_k > 1:  # fp32 partial sums over this program's K run; the down kernel adds them up
-            act_ref[s, pl.ds(b * bm, bm), pl.ds(n0, bn)] = accg
-            as_ref[s, pl.ds(b * bm, bm), pl.ds(n0, bn)] = accu
-            return
-        act = _swiglu(accg, accu)
+        act = accg / (1.0 + jnp.exp(-accg)) * accu
         if swap_ab:
             act = act.T
         if prequant:  # this N tile is one scale group: e4m3 rows + one scale per row, from the bf16-rounded value
@@ -195,9 +159,7 @@ def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int
     """act [num_blocks * block_m, I] (bf16) = silu(x W_gate^T) * (x W_up^T) for every scheduled row; pad rows junk.
     act_fp8: x quantised per (row, 128 columns) and an FP8 x FP8 GEMM (W8A8).
     cfg.prequant (W8A8): x is e4m3 with `x_scale` [T, H / 128] fp32, and the result is (act e4m3 [num_blocks * block_m,
-    I], act_scale [I / 128, num_blocks * block_m] fp32), quantised per (row, 128 columns) from its bf16 rounding;
-    with cfg.gu_split_k = S > 1 as well, it is the fp32 partial sums (gate [S, num_blocks * block_m, I], up [same]) of
-    S runs of the K loop, before SwiGLU (down_weighted_grouped finishes them)."""
+    I], act_scale [I / 128, num_blocks * block_m] fp32), quantised per (row, 128 columns) from its bf16 rounding."""
     T, H = x.shape
     E, I, _ = w.gate.shape
     bm, bn, bk = sched.block_m, min(cfg.gu_block_n, I), min(cfg.gu_block_k, H)
@@ -206,14 +168,12 @@ def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int
     if act_fp8:
         _check_act_fp8(w, bk, "gate/up")
     prequant = _check_prequant(cfg, act_fp8, bn, x_scale)
-    split_k = _check_split_k(cfg, prequant, H // bk)
     nb = sched.num_blocks
     # FP8 -> f16 is one hardware convert on sm90 (-> bf16 is not); the gate/up input x is the RMS-normed hidden state,
     # far inside f16 range, so `gu_f16` computes this GEMM in f16 (more mantissa than bf16) when the weights are FP8.
     cdt = jnp.float16 if (cfg.gu_f16 and w.is_fp8 and not act_fp8) else jnp.bfloat16
-    kernel = functools.partial(_gate_up_kernel, top_k=top_k, bm=bm, bn=bn, bk=bk, n_k=H // bk // split_k,
-                               sblock=w.block, fp8=w.is_fp8, swap_ab=cfg.swap_ab, cdt=cdt, act_fp8=act_fp8,
-                               prequant=prequant, split_k=split_k)
+    kernel = functools.partial(_gate_up_kernel, top_k=top_k, bm=bm, bn=bn, bk=bk, n_k=H // bk, sblock=w.block,
+                               fp8=w.is_fp8, swap_ab=cfg.swap_ab, cdt=cdt, act_fp8=act_fp8, prequant=prequant)
     args = [sched.block_expert, sched.block_row0, sched.block_rows, sched.order, x, w.gate, w.up]
     if w.is_fp8:
         args += [w.gate_scale, w.up_scale]
@@ -222,12 +182,10 @@ def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int
         args.append(x_scale.astype(_F32))
         out_shape = (jax.ShapeDtypeStruct((nb * bm, I), jnp.float8_e4m3fn),
                      jax.ShapeDtypeStruct((I // ACT_GROUP, nb * bm), _F32))
-    if split_k > 1:
-        out_shape = (jax.ShapeDtypeStruct((split_k, nb * bm, I), _F32),) * 2
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(I // bn, nb) + ((split_k,) if split_k > 1 else ()),
+        grid=(I // bn, nb),
         compiler_params=plt.CompilerParams(num_warps=cfg.gu_warps, num_stages=cfg.gu_stages),
         interpret=interpret,
         name="moe_gate_up_swiglu",
@@ -235,10 +193,10 @@ def gate_up_swiglu_grouped(x, sched: BlockSchedule, w: ExpertWeights, top_k: int
 
 
 def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_ref, *rest, bm, bn, bk, n_k, sblock,
-                 fp8, aliased, n_pairs, swap_ab, act_fp8, prequant, split_k):
+                 fp8, aliased, n_pairs, swap_ab, act_fp8, prequant):
     rest = list(rest)
     sd_ref = rest.pop(0) if fp8 else None
-    as_ref = rest.pop(0) if prequant else None  # with split_k > 1: the up partial sums (act_ref: the gate ones)
+    as_ref = rest.pop(0) if prequant else None
     if aliased:
         rest.pop(0)  # the poisoned/initial y, aliased to the output
     (y_ref,) = rest
@@ -261,17 +219,14 @@ def _down_kernel(expert_ref, row0_ref, rows_ref, order_ref, rw_ref, act_ref, wd_
 
         def body(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
+            a = act_ref[pl.ds(a0, bm), pl.ds(k0, bk)]
             wd = wd_ref[e, pl.ds(n0, bn), pl.ds(k0, bk)]
             a_scale = None
-            if split_k > 1:  # the gate/up partial sums: SwiGLU and e4m3 rows here
-                a, a_scale = _swiglu_of_split_sums(act_ref, as_ref, pl.ds(a0, bm), pl.ds(k0, bk), split_k)
-            elif prequant:  # e4m3 rows from the gate/up epilogue; this K step's scale group
-                a = act_ref[pl.ds(a0, bm), pl.ds(k0, bk)]
+            if prequant:  # e4m3 rows from the gate/up epilogue; this K step's scale group
                 a_scale = as_ref[i, pl.ds(a0, bm)]
             elif act_fp8:
-                a, a_scale = quantize_rows_fp8(act_ref[pl.ds(a0, bm), pl.ds(k0, bk)])
+                a, a_scale = quantize_rows_fp8(a)
             else:
-                a = act_ref[pl.ds(a0, bm), pl.ds(k0, bk)]
                 wd = wd.astype(a.dtype)
             sd = sd_ref[e, n0 // sblock[0], k0 // sblock[1]] if fp8 else None
             return acc + _scaled_dot(a, wd, sd, a_scale, swap_ab=swap_ab)
@@ -298,8 +253,7 @@ def down_weighted_grouped(act, sched: BlockSchedule, router_w, w: ExpertWeights,
     """y [T * k + block_m, H]: y[p] = router_w[p] * (act_row(p) W_down^T) for p < T * k; the last block_m rows are
     spare (never written on GPU). `y_init` (optional, same shape) is aliased to the output, so a poisoned buffer shows
     any row the kernel failed to write. act_fp8: act quantised per (row, 128 columns), FP8 x FP8 GEMM (W8A8);
-    with cfg.prequant, act is e4m3 already with `act_scale` [I / 128, rows] (gate_up_swiglu_grouped's output), or,
-    with cfg.gu_split_k > 1 as well, act is that function's pair of gate / up partial sums and act_scale is None."""
+    with cfg.prequant, act is e4m3 already with `act_scale` [I / 128, rows] (gate_up_swiglu_grouped's output)."""
     E, H, I = w.down.shape
     M = router_w.shape[0]
     bm, bn, bk = sched.block_m, min(cfg.dn_block_n, H), min(cfg.dn_block_k, I)
@@ -307,21 +261,16 @@ def down_weighted_grouped(act, sched: BlockSchedule, router_w, w: ExpertWeights,
         _check_fp8_tile(w, bn, bk, "down")
     if act_fp8:
         _check_act_fp8(w, bk, "down")
-    split = cfg.prequant and cfg.gu_split_k > 1
-    if split:  # the up sums take the scales' place
-        act, act_scale = act
     prequant = _check_prequant(cfg, act_fp8, ACT_GROUP, act_scale)
-    split_k = act.shape[0] if split else 1
     nb = sched.num_blocks
     aliased = y_init is not None
     kernel = functools.partial(_down_kernel, bm=bm, bn=bn, bk=bk, n_k=I // bk, sblock=w.block, fp8=w.is_fp8,
-                               aliased=aliased, n_pairs=M, swap_ab=cfg.swap_ab, act_fp8=act_fp8, prequant=prequant,
-                               split_k=split_k)
+                               aliased=aliased, n_pairs=M, swap_ab=cfg.swap_ab, act_fp8=act_fp8, prequant=prequant)
     args = [sched.block_expert, sched.block_row0, sched.block_rows, sched.order, router_w.astype(_F32), act, w.down]
     if w.is_fp8:
         args.append(w.down_scale)
     if prequant:
-        args.append(act_scale if split else act_scale.astype(_F32))
+        args.append(act_scale.astype(_F32))
     aliases = {}
     if aliased:
         aliases = {len(args): 0}
@@ -378,7 +327,7 @@ def moe_experts_pallas_triton(x, topk_ids, topk_weights, w: ExpertWeights, *, va
     if prequant:
         xb, x_scale = quantize_groups_fp8(xb) if x_fp8 is None else x_fp8
     act = gate_up_swiglu_grouped(xb, sched, w, k, cfg, act_fp8=act_fp8, x_scale=x_scale, interpret=interpret)
-    if prequant and cfg.gu_split_k == 1:
+    if prequant:
         act, act_scale = act
     y = down_weighted_grouped(act, sched, topk_weights.reshape(-1), w, cfg, y_init=y_init, act_fp8=act_fp8,
                               act_scale=act_scale, interpret=interpret)

@@ -19,10 +19,7 @@ class TritonMoeConfig:
     swap_ab: compute W . x^T (weights on the MMA's M side, the layout tokamax uses for small row counts);
     gu_f16: with FP8 weights, run the gate/up GEMM in f16 (FP8 -> f16 is a single convert on sm90);
     prequant: W8A8 only, quantise the activations outside the K loops (x once before gate/up, the SwiGLU output in the
-    gate/up epilogue, so gu_block_n must be 128) instead of per tile in registers;
-    gu_split_k (prequant only): the gate/up K loop split over this many programs, which store fp32 partial sums that
-    the down kernel adds up, passes through SwiGLU and quantises per K tile (more programs for one to eight streams,
-    where I / 128 tiles per expert leave most SMs idle)."""
+    gate/up epilogue, so gu_block_n must be 128) instead of per tile in registers."""
 
     block_m: int
     gu_block_n: int
@@ -36,7 +33,6 @@ class TritonMoeConfig:
     swap_ab: bool = False
     gu_f16: bool = False
     prequant: bool = False
-    gu_split_k: int = 1
 
 
 # {weights dtype: [(max_pairs M, config), ...]}. Winners of the same-run sweep on the H200 (2026-11-30,

@@ -318,67 +318,6 @@ def test_pallas_triton_w8a8_prequant_matches_in_kernel_quantisation(T, E, k, rou
     assert rel_err(out, moe_experts_reference(x, ids, tw, w, act_fp8=True)) < TOL
 
 
-@pytest.mark.parametrize("T,E,k,routing,split", [(1, 16, 8, {}, 4), (3, 8, 4, {}, 2), (13, 8, 2, {}, 4),
-                                                  (21, 8, 3, dict(force_expert=5), 2)],
-                         ids=["T1_split4", "T3_split2", "ragged_split4_one_step_each", "one_expert_split2"])
-def test_w8a8_split_k_gate_up_matches_prequant(T, E, k, routing, split):
-    """gu_split_k: the gate/up K loop over `split` programs (fp32 partial sums, SwiGLU and e4m3 rows in the down
-    kernel) against the unsplit prequant layer and the W8A8 reference, H 512 (4 K steps), every row written. Only the
-    fp32 summation order differs from prequant, so the two agree within bf16 rounding."""
-    import dataclasses
-
-    from kernels.moe.pallas_triton import gate_up_swiglu_grouped
-    from kernels.moe.quant import fake_quantize_groups_fp8, quantize_groups_fp8
-    from kernels.moe.reference import gathered_weight
-
-    h = 512
-    cfg = dataclasses.replace(CFG, gu_block_n=128, dn_block_k=128, prequant=True)
-    split_cfg = dataclasses.replace(cfg, gu_split_k=split)
-    w = random_expert_weights(_key(), E, h, I, fp8=True)
-    x = jax.random.normal(_key(), (T, h), jnp.float32).astype(jnp.bfloat16)
-    ids, tw = random_routing(_key(), T, E, k, **routing)
-    M = T * k
-    y_init = jnp.full((M + cfg.block_m, h), jnp.nan, jnp.bfloat16)
-    out, y = moe_experts_pallas_triton(x, ids, tw, w, config=split_cfg, act_fp8=True, interpret=True, y_init=y_init,
-                                       return_y=True)
-    assert bool(jnp.all(jnp.isfinite(y[:M].astype(jnp.float32)))), "some (token, slot) rows of y were not written"
-    unsplit = moe_experts_pallas_triton(x, ids, tw, w, config=cfg, act_fp8=True, interpret=True)
-    assert rel_err(out, unsplit) < 5e-3
-    assert rel_err(out, moe_experts_reference(x, ids, tw, w, act_fp8=True)) < TOL
-    # the partial sums are real partial sums: they add up to each scheduled row's gate / up GEMM, no run holds all
-    sched = expert_block_schedule(ids, E, cfg.block_m)
-    xq, xs = quantize_groups_fp8(x)
-    sums = gate_up_swiglu_grouped(xq, sched, w, k, split_cfg, act_fp8=True, x_scale=xs, interpret=True)
-    xd = np.asarray(fake_quantize_groups_fp8(x), np.float64)
-    order = np.asarray(sched.order)
-    for part, wq, ws in zip(sums, (w.gate, w.up), (w.gate_scale, w.up_scale)):
-        assert part.shape == (split, sched.num_blocks * cfg.block_m, I)
-        part = np.asarray(part, np.float64)
-        for b, (e, row0, n) in enumerate(zip(*(np.asarray(a) for a in (sched.block_expert, sched.block_row0,
-                                                                          sched.block_rows)))):
-            if e < 0 or n == 0:
-                continue
-            we = np.asarray(gathered_weight(wq, ws, jnp.asarray([e]), w.block, jnp.float32)[0], np.float64)
-            want = xd[order[row0:row0 + n] // k] @ we.T
-            got = part[:, b * cfg.block_m:b * cfg.block_m + n]
-            np.testing.assert_allclose(got.sum(0), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-            for run in got:
-                assert rel_err(run, want) > 0.1
-
-
-def test_w8a8_split_k_rules():
-    import dataclasses
-
-    x, ids, tw, w = _inputs(5, 8, 2, fp8=True)  # H 256: 2 K steps
-    cfg = dataclasses.replace(CFG, gu_block_n=128, dn_block_k=128, prequant=True)
-    with pytest.raises(ValueError, match="must divide"):
-        moe_experts_pallas_triton(x, ids, tw, w, config=dataclasses.replace(cfg, gu_split_k=4), act_fp8=True,
-                                  interpret=True)
-    with pytest.raises(ValueError, match="prequant"):
-        moe_experts_pallas_triton(x, ids, tw, w, config=dataclasses.replace(cfg, gu_split_k=2, prequant=False),
-                                  act_fp8=True, interpret=True)
-
-
 def test_w8a8_takes_the_input_groups_made_beforehand():
     """x_fp8 (the e4m3 groups kernels/norm writes with the layer's RMSNorm): the Pallas layer and the reference use
     them as given. The same groups as their own quantisation give the same output; other groups (x scaled by 2)
@@ -446,29 +385,3 @@ def test_fp8_row_quantisation():
     assert 0 < err < 0.07  # e4m3: 3 mantissa bits, relative rounding error <= 2^-4 (plus subnormals near 0)
     with pytest.raises(ValueError):
         fake_quantize_groups_fp8(jnp.ones((2, 100)))
-
-
-def test_w8a8_split_k_kernels_compile_for_h200_without_spills():
-    """The split-K gate/up kernel and the down kernel that finishes its sums, at Drama 3's shapes (H 2048, I 512, 256
-    experts) for one stream, through the sm_90a compiler: no spills."""
-    import dataclasses
-
-    from kernels.h200_lowering import capture_ttirs, compile_ttir
-    from kernels.moe.tuning import TRITON_TABLE
-
-    h, i, e, split = 2048, 512, 256, 4
-    cfg = dataclasses.replace(pick(TRITON_TABLE, 8, fp8=True, act_fp8=True), gu_split_k=split, dn_stages=2)
-    w = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
-                     random_expert_weights(_key(), e, h, i, fp8=True))
-    x = jax.ShapeDtypeStruct((1, h), jnp.bfloat16)
-    ids = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    tw = jax.ShapeDtypeStruct((1, 8), jnp.float32)
-    ttirs = capture_ttirs(lambda *a: moe_experts_pallas_triton(*a, config=cfg, act_fp8=True, interpret=False),
-                          x, ids, tw, w)
-    gate_up = [t for t in ttirs if "moe_gate_up_swiglu" in t]
-    down = [t for t in ttirs if "moe_down_weighted" in t]
-    assert len(gate_up) == len(down) == 1, [t[:200] for t in ttirs]
-    for ttir, warps, stages in ((gate_up[0], cfg.gu_warps, cfg.gu_stages), (down[0], cfg.dn_warps, cfg.dn_stages)):
-        res, _ = compile_ttir(ttir, warps, stages)
-        # 227 KB: the H200's shared memory per block (split 4 with 4 down stages asks for 244 KB: refused on device)
-        assert res["spill_bytes"] == 0 and res["shared_bytes"] <= 232_448, res
