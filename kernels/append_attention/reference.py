@@ -1,5 +1,7 @@
 """Plain-jnp truth of the append decode attention: the model's separate ops in order (q / k RMSNorm, RoPE, KV-cache
-write, causal GQA attention, sigmoid output gate)."""
+write, causal GQA attention, sigmoid output gate). `attention_backend` picks the attention step (kernels/attention):
+its plain-jnp reference by default, or "pallas_triton", the decode kernel the model's separate ops run on a GPU (the
+baseline of experiments/append_attention_bench.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.append_attention.layout import HeadLayout
-from kernels.attention.reference import attention_reference
+from kernels.attention.api import attention
 from kernels.norm.reference import rms_norm
 from kernels.rope import apply_rope_interleaved, apply_rope_rotate_half
 
@@ -23,8 +25,9 @@ def split_heads(proj, layout: HeadLayout):
 
 def append_decode_attention_reference(proj, q_norm, k_norm, k_cache, v_cache, start, new_lengths, *,
                                       layout: HeadLayout, rotary_dim: int, rope_theta: float, rope_style: str,
-                                      eps: float, zero_centered: bool = True):
-    """See api.append_decode_attention."""
+                                      eps: float, zero_centered: bool = True, attention_backend: str = "reference",
+                                      **attention_kwargs):
+    """See api.append_decode_attention; `attention_backend` / `attention_kwargs`: see the module doc."""
     B, D = proj.shape[0], layout.head_dim
     q, gate, k, v = split_heads(proj, layout)
     pos = start.astype(jnp.int32)[:, None]                                      # [B, 1]
@@ -34,7 +37,7 @@ def append_decode_attention_reference(proj, q_norm, k_norm, k_cache, v_cache, st
     rows = jnp.arange(B)[:, None]
     k_cache = k_cache.at[rows, pos].set(k.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[rows, pos].set(v[:, None].astype(v_cache.dtype), mode="drop")
-    o = attention_reference(q, k_cache[:B].astype(q.dtype), v_cache[:B].astype(q.dtype), pos,
-                            start + new_lengths, scale=D ** -0.5)[:, 0]           # [B, Hq, D]
+    o = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), pos, start + new_lengths, scale=D ** -0.5,
+                  backend=attention_backend, **attention_kwargs)[:, 0]           # [B, Hq, D]
     o = o * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(o.dtype)
     return o.reshape(B, -1), k_cache, v_cache

@@ -131,6 +131,23 @@ def test_reference_equals_the_model_ops(style):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
 
 
+def test_reference_with_the_decode_attention_kernel():
+    """attention_backend="pallas_triton" (the bench's separate-ops baseline): the reference's attention step on the
+    decode kernel (interpret mode) over a pool prefix with a free row gives the plain-jnp attention's output and the
+    same cache writes."""
+    layout, L = backbone_layout(4, 2, 16), 40
+    args = inputs(13, 3, 4, L, layout, [0, 17, 39], f32)
+    proj, qw, kw, kc, vc, start = args
+    args = (proj, qw, kw, jnp.nan_to_num(kc), jnp.nan_to_num(vc), start)
+    new = jnp.asarray([1, 0, 1], jnp.int32)
+    ref = run("reference", args, new, layout, 8, "rotate_half")
+    got = run("reference", args, new, layout, 8, "rotate_half", attention_backend="pallas_triton", interpret=True,
+              block_k=8, num_splits=2)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), rtol=1e-5, atol=1e-5)
+    for g, r in zip(got[1:], ref[1:]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+
+
 def test_api_validates_its_inputs():
     layout = tower_layout(4, 2, 16)
     proj, qw, kw, kc, vc, start = inputs(0, 2, 2, 8, layout, [1, 2], f32)
