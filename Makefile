@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# CI: everything but the `slow` tier (full-size codec parity, the experiment harnesses end to end); the slowest
-# tests are listed at the end, to keep the suite inside CI's 15 minutes
+# CI: everything but the `slow` tier (full-size codec parity, the experiment harnesses end to end, in-model repeats
+# of kernel-level checks); the slowest tests are listed at the end, to keep the suite inside CI's 15 minutes
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=15 tests
 

@@ -278,7 +278,8 @@ def test_dense_backend_in_the_model(jax_fp32, tiny_cfg, monkeypatch):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("moe", ["reference", "pallas_triton"])
+# the reference backend's mask is CI's at the kernel level (tests/kernels/test_moe.py), so its in-model run is slow-tier
+@pytest.mark.parametrize("moe", [pytest.param("reference", marks=pytest.mark.slow), "pallas_triton"])
 def test_moe_skips_prompt_padding_without_changing_the_prompt(jax_fp32, tiny_cfg, moe):
     """Backends.moe_skip_padding (the default): a right-padded prefill routes its padding rows to no expert; the
     valid rows' hidden states, the caches' lengths and GDN states, and the next decode step are exactly as without it."""

@@ -289,6 +289,7 @@ def test_packed_prefill_with_the_flash_attention_kernel(model, tok, monkeypatch)
     np.testing.assert_allclose(np.asarray(got.h), np.asarray(want.h), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # an off-by-default candidate; its kernel is CI's in tests/kernels/test_append_attention.py
 def test_append_attention_kernel_in_the_decode_step(tiny_fp8_dir, tok):
     """Backends.append_attention="pallas_triton" (interpret mode on the CPU): every attention layer of a decode step
     (the backbone's, with fused projections, and the tower's 13) as one append-attention launch gives the separate
