@@ -84,8 +84,9 @@ class Backends:
 
     append_attention: a decode step's attention layers (backbone, fused projections; and tower) as one launch of
     kernels/append_attention each: q / k norms, RoPE, the KV-cache write and the attention, ~8 fewer XLA kernels per
-    layer (23 layers per step); "reference" keeps the separate ops. Off: on an H100 the one-slot step took 4.58
-    against 4.58 ms (experiments/results/append_2026-12-07_h100/); 128 slots not yet timed."""
+    layer (23 layers per step); "reference" keeps the separate ops. Off: on H100s the one-slot step took 4.58 against
+    4.58 ms and the 128-slot step 21.59 against 21.15 ms (experiments/results/append_2026-12-07_h100/,
+    decode_ab_2026-12-07b_h100/)."""
 
     moe: str = "reference"
     gdn_prefill: str = "reference"
