@@ -362,6 +362,9 @@ PROFILE_VARIANTS = [   # (name, variant, kernel kwargs): per-head launch shape t
     # without the value bisection that raises a loose top-k bound (TUNING's k_bisect; the kernels before 2026-12-06)
     ("per_head k_bisect0", "per_head", {"main": {"k_bisect": 0}, "rows": {"k_bisect": 0}}),
     ("batched k_bisect0", "batched", {"main": {"k_bisect": 0}, "rows": {"k_bisect": 0}}),
+    # the main token's top-p bracket from 3 / 7 independent mass reductions a pass (TUNING's p_ways; 2 = bisection)
+    ("per_head main_split4", "per_head", {"main": {"p_ways": 4}}),
+    ("per_head main_split8", "per_head", {"main": {"p_ways": 8}}),
 ]
 
 

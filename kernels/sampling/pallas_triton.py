@@ -70,6 +70,9 @@ P_BISECT_MAX_TOP_P = 0.9999
 # 123 us for all 10 samplings at 128 streams, batched).
 #   groups G: lanes per tile row (the top-k bound uses the k-th largest of G group maxima; top-k <= G for it);
 #   cand C: candidate cap of the fast path (pairwise [C, C]); p_bisect: bisection steps of the top-p bound;
+#   p_ways: the ways that search splits its bracket a pass (2: a halving a pass, the default; 4: two halvings from 3
+#   independent mass reductions a pass, p_bisect / 2 passes, not yet timed); the bracket decides the path, never the
+#   sample;
 #   k_bisect: bisection steps that raise a top-k bound leaving more than C candidates (0: such rows take the full-row
 #   path, two 32-step searches and the whole row's noise, and a launch lasts as long as its slowest row). For rows
 #   whose top values crowd into a few groups (tests); the bench's random head rows did not need it: on the H200 the
@@ -88,11 +91,11 @@ P_BISECT_MAX_TOP_P = 0.9999
 #   62.9 us at 128 rows in sampling_2026-12-02/4_fold_threshold), "groups" above (64 groups compile to ~180-210
 #   registers against ~128, one CTA per SM instead of two, so 256 rows would take two waves).
 TUNING = {
-    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "k_bisect": 8, "noise_rows": 4,
+    "rows": {"num_warps": 8, "groups": 128, "cand": 64, "p_bisect": 12, "p_ways": 2, "k_bisect": 8, "noise_rows": 4,
              "noise_cap": 0, "fold_rows_max": 128, "one_wave_groups": 64, "one_wave_rows_max": 132},
     # main cand 64: 30.3 against 32.8 us for the main launch at 128 rows, same call (sampling_2026-12-03/), and 111.1
     # against 114.1 us for the step in sampling_2026-12-02/
-    "main": {"num_warps": 16, "groups": 128, "cand": 64, "p_bisect": 12, "k_bisect": 8, "noise_rows": 8,
+    "main": {"num_warps": 16, "groups": 128, "cand": 64, "p_bisect": 12, "p_ways": 2, "k_bisect": 8, "noise_rows": 8,
              "noise_cap": 512},
 }
 
@@ -204,6 +207,25 @@ def _value_bisect(ok, lo, hi, steps: int):
     return jax.lax.fori_loop(0, steps, step, (lo, hi))
 
 
+def _value_split(ok, lo, hi, steps: int, ways: int):
+    """The bracket of `steps` halvings in ceil(steps / log2(ways)) passes (ways a power of two >= 4): a pass asks ok
+    at the ways - 1 pivots lo + (hi - lo) * j / ways as separate scalar reductions that do not depend on each other,
+    so their latencies can overlap (one [P, R, G] reduction compiles to ~10 barriers a halving against 2:
+    experiments/results/triton_reduction_cost_2026-12-07/). ok(lo) true and ok(hi) false are kept, as in
+    _value_bisect, since ok is non-increasing in the pivot."""
+    def step(_, lohi):
+        lo_, hi_ = lohi
+        new_lo, new_hi = lo_, hi_
+        for j in range(1, ways):
+            piv = lo_ + (hi_ - lo_) * (j / ways)
+            good = ok(piv)
+            new_lo = jnp.where(good, jnp.maximum(new_lo, piv), new_lo)
+            new_hi = jnp.where(good, new_hi, jnp.minimum(new_hi, piv))
+        return new_lo, new_hi
+
+    return jax.lax.fori_loop(0, -(-steps // (ways.bit_length() - 1)), step, (lo, hi))
+
+
 def _mass_above(cz, cp, base, crossing: bool):
     """base + mass of the listed tokens strictly above (crossing) / at or above (standard) each listed token; [C]."""
     zi, zj = cz[:, None], cz[None, :]
@@ -212,7 +234,7 @@ def _mass_above(cz, cp, base, crossing: bool):
 
 
 def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_ref, si_ref, V: int, G: int,
-          C: int, NB: int, NK: int, interpret: bool, load_z, RC: int, NC: int):
+          C: int, NB: int, NK: int, interpret: bool, load_z, RC: int, NC: int, PW: int = 2):
     """One filtered Gumbel-max draw from the [R, G] tile z (already temperature-scaled) and, for the main token, the
     scalar tail (_Tail, else None); V counts every token of the row, the tail included. load_z(r0) reloads tile
     rows [r0, r0 + RC) of z (the full-row noise is drawn in such chunks, to bound the registers the hash needs);
@@ -244,7 +266,8 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
 
     def bisect():
         D = jnp.log(jnp.float32(V) / jnp.maximum(1.0 - top_p, 1e-6)) + 1.0
-        return _value_bisect(lambda mid: mass(lambda x: x >= mid) >= target, m - D, m, NB)
+        ok = lambda mid: mass(lambda x: x >= mid) >= target     # noqa: E731
+        return _value_bisect(ok, m - D, m, NB) if PW == 2 else _value_split(ok, m - D, m, NB, PW)
 
     lo, hi = jax.lax.cond(use_p, bisect, lambda: (jnp.minimum(m, NEG_INF), m))
     L = jnp.maximum(L_k, lo)
@@ -415,7 +438,7 @@ def _draw_key(key_ref, row, draw):
 
 # ------------------------------------------------------------------------------------------------ kernels
 def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref, si_ref, *, V, N, G, C, NB, NK, RC,
-                 NC, crossing, draw, interpret):
+                 NC, PW, crossing, draw, interpret):
     row = pl.program_id(0)
     k0, k1 = _draw_key(key_ref, row, draw)
     idx = _tile_iota(N // G, G)
@@ -425,15 +448,15 @@ def _rows_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, out_ref, path_ref, sz_ref,
     z = _div_rn(x, t, interpret)
     out, path = _draw(z, valid, idx, None, k0, k1, p_ref[row], k_ref[row],
                       crossing=crossing, row=row, sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, NK=NK,
-                      interpret=interpret, RC=RC, NC=NC,
+                      interpret=interpret, RC=RC, NC=NC, PW=PW,
                       load_z=functools.partial(_load_chunk, x_ref, row, t, n_tile=V, G=G, RC=RC, interpret=interpret))
     out_ref[row] = out
     path_ref[row] = path
 
 
 def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_ref, path_ref, sz_ref, si_ref, *, V,
-                 N, G, C, NB, NK, RC, NC, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p, draws,
-                 interpret):
+                 N, G, C, NB, NK, RC, NC, PW, W, semantic_start, eos_token_id, ras_temperature, ras_top_k, ras_top_p,
+                 draws, interpret):
     """Draw 0 with the request's parameters; draw 1 (RAS parameters, its own key) only when draw 0 gave a semantic
     token that is in the recent window. One loop body, so the draw is compiled once. The band (V - 1 tokens) is the
     tile, EOS (index V - 1) the scalar tail."""
@@ -462,7 +485,7 @@ def _main_kernel(x_ref, t_ref, p_ref, k_ref, key_ref, key2_ref, recent_ref, out_
             tail = _Tail(_load_tail(x_ref, row, V - 1, t, interpret), V - 1)
             i, path = _draw(_div_rn(x, t, interpret), valid, idx, tail, k0, k1, tp, tk, crossing=True, row=row,
                             sz_ref=sz_ref, si_ref=si_ref, V=V, G=G, C=C, NB=NB, NK=NK, interpret=interpret, RC=RC,
-                            NC=NC,
+                            NC=NC, PW=PW,
                             load_z=functools.partial(_load_chunk, x_ref, row, t, n_tile=V - 1, G=G, RC=RC,
                                                      interpret=interpret))
             new_id = jnp.where(i == V - 1, eos_token_id, semantic_start + i)
@@ -491,20 +514,29 @@ def _nc(N: int, cfg: dict) -> int:
     return min(_next_pow2(cfg["noise_cap"]), N) if cfg["noise_cap"] else 0
 
 
+def _ways(cfg: dict) -> int:
+    w = cfg["p_ways"]
+    if w < 2 or w & (w - 1):
+        raise ValueError(f"p_ways must be a power of two >= 2, got {w}")
+    return w
+
+
 def _scratch(rows: int, N: int):
     return (jax.ShapeDtypeStruct((rows, N), f32), jax.ShapeDtypeStruct((rows, N), i32))
 
 
 def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_crossing: bool, draw=None,
                            interpret: bool = False, return_path: bool = False, num_warps=None, groups=None, cand=None,
-                           p_bisect=None, k_bisect=None, noise_rows=None, noise_cap=None, fold_rows_max=None):
+                           p_bisect=None, p_ways=None, k_bisect=None, noise_rows=None, noise_cap=None,
+                           fold_rows_max=None):
     """One filtered Gumbel-max draw per row (see reference.sample_filtered). keys [B, 2] uint32 raw keys (frame keys
     with draw: the kernel folds the draw id in); logits [B, V] (any float dtype; read once); temperature,
     top_p [B] float; top_k [B] int. Returns int32 [B] (and, with
     return_path, the path per row, int32 [B]: 0 candidates, 1 full row without a 32-step search, 2 full row with
     one)."""
-    cfg = _params("rows", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect, k_bisect=k_bisect,
-                               noise_rows=noise_rows, noise_cap=noise_cap, fold_rows_max=fold_rows_max))
+    cfg = _params("rows", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect, p_ways=p_ways,
+                               k_bisect=k_bisect, noise_rows=noise_rows, noise_cap=noise_cap,
+                               fold_rows_max=fold_rows_max))
     B, V = logits.shape
     if draw is not None and B > cfg["fold_rows_max"]:
         keys, draw = fold_draw(keys, draw), None
@@ -513,7 +545,7 @@ def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_cros
     N, G = _geometry(V, cfg["groups"])
     C = min(_next_pow2(cfg["cand"]), N)
     kern = functools.partial(_rows_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], NK=cfg["k_bisect"],
-                             RC=_rc(N, G, cfg), NC=_nc(N, cfg), crossing=keep_crossing,
+                             RC=_rc(N, G, cfg), NC=_nc(N, cfg), PW=_ways(cfg), crossing=keep_crossing,
                              draw=None if draw is None else int(draw), interpret=interpret)
     out, path, _, _ = pl.pallas_call(
         kern, grid=(B,),
@@ -527,13 +559,13 @@ def sample_filtered_triton(keys, logits, temperature, top_p, top_k, *, keep_cros
 def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, recent_main, *, semantic_start: int,
                        eos_token_id: int, ras_temperature: float, ras_top_k: int, ras_top_p: float, draws=None,
                        interpret: bool = False, return_path: bool = False, num_warps=None, groups=None,
-                       cand=None, p_bisect=None, k_bisect=None, noise_rows=None, noise_cap=None):
+                       cand=None, p_bisect=None, p_ways=None, k_bisect=None, noise_rows=None, noise_cap=None):
     """Main token with RAS in one launch (see reference.sample_main; with draws, keys are frame keys, ras_keys None,
     and the kernel folds both draw ids in). recent_main [B, W] int32 (padded with -1 to a
     power of two). With return_path: flags [B] int32: bits 0-1 the first draw's path (0 candidates, 1 full row without
     a 32-step search, 2 full row with one), bit 2 the RAS draw ran, bits 3-4 its path."""
-    cfg = _params("main", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect, k_bisect=k_bisect,
-                               noise_rows=noise_rows, noise_cap=noise_cap))
+    cfg = _params("main", dict(num_warps=num_warps, groups=groups, cand=cand, p_bisect=p_bisect, p_ways=p_ways,
+                               k_bisect=k_bisect, noise_rows=noise_rows, noise_cap=noise_cap))
     B, V = band_logits.shape
     if V < 2:
         raise ValueError(f"the main token needs a band and EOS (at least 2 candidates), got {V}")
@@ -544,7 +576,7 @@ def sample_main_triton(keys, ras_keys, band_logits, temperature, top_p, top_k, r
     if Wp != W:
         recent_main = jnp.pad(recent_main, ((0, 0), (0, Wp - W)), constant_values=-1)
     kern = functools.partial(_main_kernel, V=V, N=N, G=G, C=C, NB=cfg["p_bisect"], NK=cfg["k_bisect"],
-                             RC=_rc(N, G, cfg), NC=_nc(N, cfg), W=Wp,
+                             RC=_rc(N, G, cfg), NC=_nc(N, cfg), PW=_ways(cfg), W=Wp,
                              semantic_start=int(semantic_start), eos_token_id=int(eos_token_id),
                              ras_temperature=float(ras_temperature), ras_top_k=int(ras_top_k),
                              ras_top_p=float(ras_top_p), interpret=interpret,

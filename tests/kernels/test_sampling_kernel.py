@@ -107,15 +107,15 @@ def test_gumbel_at_is_bit_identical_to_jax_random():
 # ------------------------------------------------------------------------------------------------ exact equality
 # groups None: the one-wave default (64 groups at 48 rows); noise_cap 256: the full-row paths draw noise for the kept
 # tokens only when at most 256 are kept (most full-row rows here), else for the whole row; None: the default (0,
-# always the whole row)
-@pytest.mark.parametrize("groups,noise_cap", [(None, 256), (128, None)])
-def test_rows_kernel_equals_reference_both_modes_both_paths(groups, noise_cap):
+# always the whole row); p_ways 4: the top-p bracket from three mass reductions a pass (None: bisection)
+@pytest.mark.parametrize("groups,noise_cap,p_ways", [(None, 256, 4), (128, None, None)])
+def test_rows_kernel_equals_reference_both_modes_both_paths(groups, noise_cap, p_ways):
     rng = np.random.default_rng(1)
     seen_paths = set()
     for crossing in (True, False):
         logits, T, P, K = _rows_batch(rng)
         keys = _keys(rng.integers(0, 2 ** 31, B_ROWS))
-        got, path = _rows_fn(crossing, groups=groups, noise_cap=noise_cap)(keys, logits, T, P, K)
+        got, path = _rows_fn(crossing, groups=groups, noise_cap=noise_cap, p_ways=p_ways)(keys, logits, T, P, K)
         want = _ref_rows_fn(crossing)(keys, logits, T, P, K)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
         seen_paths |= set(np.asarray(path).tolist())
@@ -140,13 +140,15 @@ def test_rows_kernel_tightens_a_loose_top_k_bound_onto_the_candidate_path():
     assert ((z >= L_k[:, None]).sum(axis=1) > C).all()     # the group bound is loose on every row
     for crossing in (True, False):
         keys = _keys(rng.integers(0, 2 ** 31, B_ROWS))
-        got, path = _rows_fn(crossing, groups=None, noise_cap=256)(keys, logits, T, P, K)   # compiled above
+        got, path = _rows_fn(crossing, groups=None, noise_cap=256, p_ways=4)(keys, logits, T, P, K)  # compiled above
         np.testing.assert_array_equal(np.asarray(got), np.asarray(_ref_rows_fn(crossing)(keys, logits, T, P, K)))
         assert (np.asarray(path) == 0).all(), path
 
 
-@pytest.mark.parametrize("noise_cap", [0, None])  # 0: the whole row's noise; None: the default, kept tokens' up to 512
-def test_main_kernel_full_band_equals_reference(noise_cap):
+# noise_cap 0: the whole row's noise (with the top-p bracket from three reductions a pass, p_ways 4); None: the
+# defaults (kept tokens' noise up to 512, bisection)
+@pytest.mark.parametrize("tuning", [dict(noise_cap=0, p_ways=4), {}])
+def test_main_kernel_full_band_equals_reference(tuning):
     """Full size: band 4096 (the tile) + EOS (the scalar tail), realistic and degenerate rows, RAS on a few."""
     rng = np.random.default_rng(3)
     V, B, start, eos = 4097, 8, 151678, 151645
@@ -163,7 +165,7 @@ def test_main_kernel_full_band_equals_reference(noise_cap):
     recent[5, 3] = start + int(np.argmax(rows[5]))
     recent[4, :] = eos
     args = (keys, ras_keys, logits, T, P, K, jnp.asarray(recent))
-    got, path = _main_fn("pallas_triton", start, eos, noise_cap=noise_cap)(*args)
+    got, path = _main_fn("pallas_triton", start, eos, **tuning)(*args)
     want = _main_fn("reference", start, eos)(*args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     path = np.asarray(path)
@@ -239,6 +241,23 @@ def test_main_kernel_mass_at_the_bracket_edge_keeps_the_band_path():
     want = _main_fn("reference", start, eos)(*args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert (np.asarray(path) & 3 == 1).all(), path
+
+
+def test_split_search_keeps_a_valid_bracket_as_narrow_as_the_bisection():
+    """The top-p bracket's two searches on random rows' mass predicates: ok(lo) and not ok(hi) hold, and the bracket
+    of p_ways 4 / 8 (separate reductions a pass) is as narrow as the 12 halvings of the bisection."""
+    rng = np.random.default_rng(12)
+    for _ in range(20):
+        z = jnp.asarray(rng.normal(size=4096) * rng.uniform(0.3, 5.0), f32)
+        e = jnp.exp(z - z.max())
+        target = rng.uniform(0.05, 0.99) * e.sum()
+        ok = lambda mid: jnp.sum(jnp.where(z >= mid, e, 0.0)) >= target   # noqa: E731
+        lo0, hi0 = z.min(), z.max() + 1e-3                          # ok(lo0) and not ok(hi0), as in the kernel
+        width = (hi0 - lo0) / 2 ** 12
+        split = functools.partial(pallas_triton._value_split, ok, lo0, hi0, 12)
+        for lo, hi in (pallas_triton._value_bisect(ok, lo0, hi0, 12), split(4), split(8)):
+            assert bool(ok(lo)) and not bool(ok(hi)) and lo < hi
+            assert float(hi - lo) <= float(width) * 1.01, (float(hi - lo), float(width))   # fp32 pivots: ulps
 
 
 def test_main_token_ras_through_drama3_sampling():
