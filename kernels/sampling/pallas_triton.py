@@ -256,9 +256,11 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
 
     # --- lower bound L on the kept values (the tile's group maxima alone already give k distinct tokens >= L_k)
     use_k = (top_k > 0) & (top_k <= G)
-    grank = jnp.sum((gm[None, :] > gm[:, None]).astype(i32), axis=1)          # groups strictly above
-    L_k = jnp.min(jnp.where(grank < top_k, gm, jnp.inf))
-    L_k = jnp.where(use_k, L_k, NEG_INF)
+    def group_bound():      # only with a top-k: the main token's rows mostly have none ([G, G] ranks + a min)
+        grank = jnp.sum((gm[None, :] > gm[:, None]).astype(i32), axis=1)      # groups strictly above
+        return jnp.min(jnp.where(grank < top_k, gm, jnp.inf))
+
+    L_k = jax.lax.cond(use_k, group_bound, lambda: jnp.minimum(m, NEG_INF))
 
     # top-p bracket [lo, hi): mass(z >= lo) >= top_p + margin > mass(z >= hi) (no token below lo is kept)
     use_p = jnp.logical_not(use_k) & (top_p <= P_BISECT_MAX_TOP_P)
@@ -306,10 +308,14 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
         tkey = None if tail is None else _ordered_key(tz)
         kcount = lambda pred: _count(pred, key, valid, tkey)
         kmass = lambda pred: _mass(pred, key, valid, e, tkey, te)
-        kmin = jnp.min(jnp.where(valid, key, INT_MAX))
-        kmax = jnp.max(jnp.where(valid, key, INT_MIN))
-        if tail is not None:
-            kmin, kmax = jnp.minimum(kmin, tkey), jnp.maximum(kmax, tkey)
+        no_key = jnp.minimum(top_k, INT_MIN)    # INT_MIN from an operand (a cond branch must not return a literal)
+
+        def key_range():    # for the 32-step searches only: two reductions that the band path does not need
+            kmin = jnp.min(jnp.where(valid, key, INT_MAX))
+            kmax = jnp.max(jnp.where(valid, key, INT_MIN))
+            if tail is not None:
+                kmin, kmax = jnp.minimum(kmin, tkey), jnp.maximum(kmax, tkey)
+            return kmin, kmax
 
         def k_step(_, lohi):        # largest t with #{key >= t} >= k; pred(lo) true, pred(hi) false
             lo_, hi_ = lohi
@@ -318,8 +324,11 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
             return jnp.where(ok, mid, lo_), jnp.where(ok, hi_, mid)
 
         use_tk = (top_k > 0) & (top_k < V)
-        t_k = jax.lax.cond(use_tk, lambda: jax.lax.fori_loop(0, 32, k_step, (kmin, kmax + 1))[0],
-                           lambda: jnp.minimum(kmin, INT_MIN))
+        def k_search():
+            kmin, kmax = key_range()
+            return jax.lax.fori_loop(0, 32, k_step, (kmin, kmax + 1))[0]
+
+        t_k = jax.lax.cond(use_tk, k_search, lambda: no_key)
 
         def p_step(_, lohi):        # smallest t with mass(t) below top_p; pred(lo) false, pred(hi) true
             lo_, hi_ = lohi
@@ -331,6 +340,7 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
             return jnp.where(ok, lo_, mid), jnp.where(ok, mid, hi_)
 
         def p_search():
+            kmin, kmax = key_range()
             init = (kmin - 1, kmax) if crossing else (kmin, kmax + 1)
             return jax.lax.fori_loop(0, 32, p_step, init)[1]
 
@@ -364,7 +374,7 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
 
         use_tp = top_p < 1.0
         t_p = jax.lax.cond(use_tp, lambda: jax.lax.cond(band_ok, band_threshold, p_search),
-                           lambda: jnp.minimum(kmin, INT_MIN))
+                           lambda: no_key)
         t = jnp.maximum(t_k, t_p)
 
         kept = lambda x: (_ordered_key(x) >= t) | (x == m)   # the row max is always kept
@@ -380,7 +390,7 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
             return jnp.where(better, cmax, best[0]), jnp.where(better, cidx, best[1])
 
         def noise_chunked():
-            best, out = jax.lax.fori_loop(0, z.shape[0] // RC, noise_chunk, (jnp.minimum(m, NEG_INF), kmin - kmin))
+            best, out = jax.lax.fori_loop(0, z.shape[0] // RC, noise_chunk, (jnp.minimum(m, NEG_INF), no_key - no_key))
             if tail is not None:        # last index: it wins only when strictly above
                 wt = jnp.where(kept(tz), tz + gumbel_at(k0, k1, out * 0 + tail.idx), NEG_INF)
                 out = jnp.where(wt > best, out * 0 + tail.idx, out)
