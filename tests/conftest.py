@@ -19,6 +19,26 @@ from drama3_jax.checkpoint import convert, write_random_checkpoint
 from drama3_jax.config import tiny_config
 
 
+# Test files that share tests/serving/conftest.py's session-scoped live server: one xdist work unit, so that one worker
+# starts the server once (each start compiles the tiny model's shapes, 15-55 s on the CI machine's two cores)
+ONE_SERVER = ("tests/serving/test_server.py", "tests/serving/test_bench.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (the README's test command), with the ONE_SERVER files as one unit; else xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class OneServerLoadFile(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return ONE_SERVER[0] if path in ONE_SERVER else path
+
+    return OneServerLoadFile(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg():
     return tiny_config()
