@@ -20,7 +20,7 @@ from drama3_jax.config import tiny_config
 
 
 # Test files that share tests/serving/conftest.py's session-scoped live server: one xdist work unit, so that one worker
-# starts the server once (each start compiles the tiny model's shapes, 15-55 s on the CI machine's two cores)
+# starts the server once (each start compiles the tiny model's shapes: 15-56 s on a 2-core machine, busy or not)
 ONE_SERVER = ("tests/serving/test_server.py", "tests/serving/test_bench.py")
 
 

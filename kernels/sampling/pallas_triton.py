@@ -256,6 +256,7 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
 
     # --- lower bound L on the kept values (the tile's group maxima alone already give k distinct tokens >= L_k)
     use_k = (top_k > 0) & (top_k <= G)
+
     def group_bound():      # only with a top-k: the main token's rows mostly have none ([G, G] ranks + a min)
         grank = jnp.sum((gm[None, :] > gm[:, None]).astype(i32), axis=1)      # groups strictly above
         return jnp.min(jnp.where(grank < top_k, gm, jnp.inf))
@@ -324,6 +325,7 @@ def _draw(z, valid, idx, tail, k0, k1, top_p, top_k, *, crossing: bool, row, sz_
             return jnp.where(ok, mid, lo_), jnp.where(ok, hi_, mid)
 
         use_tk = (top_k > 0) & (top_k < V)
+
         def k_search():
             kmin, kmax = key_range()
             return jax.lax.fori_loop(0, 32, k_step, (kmin, kmax + 1))[0]
