@@ -1,9 +1,9 @@
 """What a threshold search's reductions compile to in a Pallas (Triton) kernel for the H200, on a CPU machine.
 
 The sampling kernels' top-p bound is a bisection: one masked mass sum over the row's tile per halving, each a
-CTA-wide reduction. A multi-way search (P pivots a pass, log2(P + 1) halvings) would need fewer passes if P sums cost
+CTA-wide reduction. A multi-way search (P pivots a pass, log2(P) halvings) would need fewer passes if P sums cost
 about one. This compiles three 4-pass searches over the main-token tile ([32, 128] fp32 per program, 16 warps, as
-kernels/sampling TUNING["main"]) through kernels/h200_lowering.py and counts what each pass costs in the PTX:
+kernels/sampling TUNING["main"]) through kernels/sampling/compile_check.py and counts what each pass costs in the PTX:
 
   scalar   one masked sum a pass (the kernels' bisection)
   vector   P masked sums a pass as one [P, 32, 128] reduction (P a power of two, as Triton's tensor sizes must be;
@@ -32,7 +32,8 @@ from jax.experimental.pallas import triton as plt
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments.common import command_line, log, save_json  # noqa: E402
-from kernels.h200_lowering import capture_ttir, compile_ttir  # noqa: E402
+from kernels.h200_lowering import capture_ttir  # noqa: E402
+from kernels.sampling.compile_check import compile_ptx  # noqa: E402
 
 R, G, ROWS, WARPS, PASSES = 32, 128, 128, 16, 4
 f32 = jnp.float32
@@ -70,9 +71,8 @@ def search_kernel(variant: str, pivots: int):
 def measure(variant: str, pivots: int) -> dict:
     sd = jax.ShapeDtypeStruct
     ttir = capture_ttir(search_kernel(variant, pivots), sd((ROWS, R * G), f32), sd((ROWS,), f32))
-    report, ptx = compile_ttir(ttir, WARPS, num_stages=1)
-    return dict(variant=variant, pivots=pivots, halvings_per_pass=max(1, pivots.bit_length() - 1), **report,
-                bar_sync=ptx.count("bar.sync"), shfl_sync=ptx.count("shfl.sync"))
+    counts = {k: v for k, v in compile_ptx(ttir, WARPS).items() if not k.startswith("div_")}
+    return dict(variant=variant, pivots=pivots, halvings_per_pass=max(1, pivots.bit_length() - 1), **counts)
 
 
 def main(argv=None):

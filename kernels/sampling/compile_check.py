@@ -39,10 +39,10 @@ def lower_ttir(kind: str, B: int = 128, **tuning) -> tuple[str, int]:
 
 
 def compile_ptx(ttir: str, num_warps: int) -> dict:
-    """The resource report plus the PTX's division and barrier instruction counts."""
+    """The resource report plus the PTX's division, barrier and warp-shuffle instruction counts."""
     report, ptx = compile_ttir(ttir, num_warps, num_stages=1)
     return dict(report, div_rn=ptx.count("div.rn.f32"), div_full=ptx.count("div.full.f32"),
-                bar_sync=ptx.count("bar.sync"))
+                bar_sync=ptx.count("bar.sync"), shfl_sync=ptx.count("shfl.sync"))
 
 
 def main(argv=None):
