@@ -25,7 +25,9 @@ One tick of the engine thread (`pipeline_depth` = 1, the default):
      sets;
   5. admit: if the admission policy says so, prefill queued prompts and scatter them into free slots; their first
      valid step is n+1. Prompts of up to `prefill_chunk` rows are packed end to end into one call of a few static
-     row counts (`prefill_packed_rows`, drama3_jax/packing.py), longer ones go alone in whole chunks.
+     row counts (`prefill_packed_rows`, drama3_jax/packing.py), longer ones go alone in whole chunks. With
+     `admission_frames`, a decode call over the prefill's lanes gives the new streams their first frames before they
+     join the pool; its rows are processed with the steps' rows, in dispatch order.
 So the device always has a step queued while the host works. `pipeline_depth` = 0 runs the same tick synchronously
 (bookkeeping on step n's rows, codec output collected in the same tick): one step less latency, an idle device
 during host work.
@@ -51,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from drama3_jax.backbone import Backends
-from drama3_jax.generate import DecodeState, Prefiller, RequestSampling, frame_step_prefix
+from drama3_jax.generate import DecodeState, Prefiller, RequestSampling, frame_step, frame_step_prefix
 from drama3_jax.model import Drama3Model
 from drama3_jax.prompt import build_prompt, history_for_chunk
 from drama3_jax.sampling import SamplingParams
@@ -114,6 +116,15 @@ class EngineConfig:
     # server (experiments/results/ablate_2026-12-05/, serve_bench_20/): the short first chunk leaves too little
     # audio buffered before the stream's first periodic call
     codec_first_chunk: int = 4
+    # frames decoded for newly admitted streams on their prefill's own lanes (one small decode call right after the
+    # prefill, before they join the pool), so that a first chunk does not wait for that many steps of the whole
+    # pool: at 128 streams on the H200 a pool step came every ~29 ms and admission to first audio took ~228 ms, about
+    # 8 of them (prefill, 4 frames, the rows and the codec call a step behind each; experiments/results/
+    # serve_bench_23/). The cost: a decode call over the prefill's lanes per admission, at a few lanes' cost per
+    # frame instead of the pool's ~0.2 ms, and one more compiled decode per prefill lane count. With
+    # `codec_first_chunk` + 1 frames the first chunk is ready when the call's rows are (one frame is held back for the
+    # semantic-0-before-EOS rule). 0: off (not yet timed on a GPU)
+    admission_frames: int = 0
     codec_period: int = 8  # decode steps between the calls that serve every playing stream
     # between periodic calls, give a stream that has played at most this many chunks one more when its audio would run
     # dry before the next periodic call's audio lands (a "bridge", see `codec_takes`): up to this many bridges per
@@ -334,6 +345,18 @@ class Engine:
             pool, rows = jax.lax.scan(body, pool, None, length=cfg.frames_per_step)
             return rows, pool
 
+        def first_frames(params, new, n_real, frames):  # `admission_frames` on a prefill's lanes
+            model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, params))
+            lanes = jnp.arange(new.h.shape[0])
+            new = dataclasses.replace(new, active=(lanes < n_real).astype(new.active.dtype))  # empty lanes: no experts
+
+            def body(s, _):
+                row, s = frame_step(model, s, backends)
+                return s, row
+
+            new, rows = jax.lax.scan(body, new, None, length=frames)
+            return rows, dataclasses.replace(new, active=jnp.ones_like(new.active))
+
         def mark_free(active, slots):  # free slots' rows route to no expert (DecodeState.active); entries >= S pad
             return active.at[slots].set(0, mode="drop")
 
@@ -345,6 +368,7 @@ class Engine:
         self._move = jax.jit(move_slots, donate_argnums=(0,) if donate else ())
         self._mark_free = jax.jit(mark_free, donate_argnums=(0,) if donate else ())
         self._step = jax.jit(decode_step, static_argnums=(2,), donate_argnums=(1,) if donate else ())
+        self._first_frames = jax.jit(first_frames, static_argnums=(3,), donate_argnums=(1,) if donate else ())
         self._decode_steps = cfg.decode_steps
         self._codec_shapes = cfg.codec_shapes  # (streams, frames) of the compiled codec calls (fixed by warm_up)
         self.pool: DecodeState | None = None
@@ -361,7 +385,9 @@ class Engine:
         self.thread: threading.Thread | None = None
         self._ids = itertools.count()
         self._steps_dispatched = 0
-        # (step index, rows on the device, dispatch time, the request of each slot it ran over) not yet processed
+        # (step index, rows on the device, dispatch time, the request of each slot it ran over, True), or a prefill's
+        # `admission_frames` (its requests' first step, rows, dispatch time, the request of each lane, False), not
+        # yet processed, in dispatch order
         self._inflight: deque = deque()
         self._codec_inflight = None  # ([(request, frames)], audio on the device, dispatch time) not yet delivered
         self._stats = self._new_stats()
@@ -419,6 +445,14 @@ class Engine:
         prefills = {f"prefill batch {b}": (b, functools.partial(prefill, b)) for b in self.cfg.batched_prefill_sizes}
         prefills.update({f"prefill packed {n} rows ({lanes} lanes)": (lanes, functools.partial(prefill_packed, n, lanes))
                          for n, lanes in self.cfg.packed_buckets})
+        if self.cfg.admission_frames:  # each prefill shape with its lanes' first frames, as `_admit` runs them
+            F = self.cfg.admission_frames
+
+            def with_first_frames(prefill_fn):
+                return self._first_frames(self._param_leaves, prefill_fn(), jnp.int32(1), F)[1]
+
+            prefills = {f"{name} + {F} first frames": (b, functools.partial(with_first_frames, fn))
+                        for name, (b, fn) in prefills.items()}
         jobs.update({name: fn for name, (_, fn) in prefills.items()})
         jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
                      for n, T in self._codec_shapes})
@@ -663,6 +697,9 @@ class Engine:
             new = self.prefiller.packed([r.prompt for r in batch], sampling, N, B)
         else:
             new = self.prefiller(rows, lengths, sampling)
+        if self.cfg.admission_frames:  # its rows are processed in order with the pool steps' (see `_tick`)
+            rows, new = self._first_frames(self._param_leaves, new, jnp.int32(len(batch)), self.cfg.admission_frames)
+            self._inflight.append((self._steps_dispatched, rows, t0, list(batch), False))
         self.pool = self._insert(self.pool, new, jnp.asarray(slot_ids))
         if fresh_codec.any():
             self.codec_state = self.codec.reset(self.codec_state, fresh_codec)
@@ -743,7 +780,7 @@ class Engine:
         rows, self.pool = self._step(self._param_leaves, self.pool, n)
         self._stats["step_rows"] += n
         self.metrics.step_slots.labels(slots=str(n)).inc()
-        self._inflight.append((self._steps_dispatched, rows, t0, self.slots[:n]))
+        self._inflight.append((self._steps_dispatched, rows, t0, self.slots[:n], True))
         self._steps_dispatched += 1
 
     def _compact_slots(self):
@@ -771,16 +808,18 @@ class Engine:
             r.slot = b
         self.metrics.slot_moves.inc(len(movers))
 
-    def _process_rows(self, step: int, rows, t0: float, owners: list):
+    def _process_rows(self, step: int, rows, t0: float, owners: list, pool_step: bool = True):
         """Stop rules and frame bookkeeping on the rows [F, n, 1+K] of decode step `step`; owners[s] is the request
-        that held slot s when the step was dispatched (slots may have moved since: see `_compact_slots`)."""
+        that held slot s when the step was dispatched (slots may have moved since: see `_compact_slots`). Not a pool
+        step: the `admission_frames` of a prefill's lanes, owners[s] the request of lane s, `step` their first."""
         rows = np.asarray(rows)  # the one host transfer per step
-        now = time.perf_counter()
-        self.metrics.step_seconds.observe(now - t0)
-        if self._last_rows_t is not None and now - self._last_rows_t < 1.0:  # not across an idle spell
-            self._step_interval_s = _ema(self._step_interval_s, now - self._last_rows_t)
-        self._last_rows_t = now
-        self._stats["steps"] += 1
+        if pool_step:
+            now = time.perf_counter()
+            self.metrics.step_seconds.observe(now - t0)
+            if self._last_rows_t is not None and now - self._last_rows_t < 1.0:  # not across an idle spell
+                self._step_interval_s = _ema(self._step_interval_s, now - self._last_rows_t)
+            self._last_rows_t = now
+            self._stats["steps"] += 1
         eos, sem0 = self.model_cfg.eos_token_id, self.model_cfg.semantic_start_token_id
         n_frames = 0
         for s, r in enumerate(owners):
@@ -813,6 +852,8 @@ class Engine:
                     self._end_chunk(r)
                     break
         self.metrics.frames.inc(n_frames)
+        if not pool_step:
+            self.metrics.admission_frames.inc(n_frames)
 
     def _end_chunk(self, r: Request):
         """The current text chunk is done: queue the next chunk (same slot) or mark the request finished."""
@@ -926,6 +967,8 @@ def _check_policy(cfg: EngineConfig):
         raise ValueError(f"pipeline_depth must be 0 or 1, got {cfg.pipeline_depth}")
     if cfg.codec_bridges < 0:
         raise ValueError(f"codec_bridges must be >= 0, got {cfg.codec_bridges}")
+    if cfg.admission_frames < 0:
+        raise ValueError(f"admission_frames must be >= 0, got {cfg.admission_frames}")
     if cfg.codec_low_load_chunk < 0 or cfg.codec_defer_s < 0:
         raise ValueError("codec_low_load_chunk and codec_defer_s must be >= 0, got "
                          f"{cfg.codec_low_load_chunk} and {cfg.codec_defer_s}")

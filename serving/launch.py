@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "--admit-guard-s)")
     ap.add_argument("--codec-first-chunk", type=int, default=4,
                     help="frames in a stream's first audio chunk")
+    ap.add_argument("--admission-frames", type=int, default=0,
+                    help="frames decoded for newly admitted streams on their prefill's lanes before they join the "
+                         "decode pool, so that their first audio chunk does not wait for that many pool steps (one "
+                         "more compiled decode per prefill lane count; 0: off)")
     ap.add_argument("--codec-chunk", type=int, default=8, help="most frames of one stream per codec call")
     ap.add_argument("--codec-period", type=int, default=8,
                     help="decode steps between the codec calls that serve every playing stream")
@@ -232,7 +236,7 @@ def main(argv=None):
                        prefill_busy_streams=args.prefill_busy_streams, prefill_min_batch=args.prefill_min_batch,
                        prefill_max_wait_ms=args.prefill_max_wait_ms, admit_guard_s=args.admit_guard_s,
                        admit_guard_new_s=args.admit_guard_new_s,
-                       codec_first_chunk=args.codec_first_chunk,
+                       codec_first_chunk=args.codec_first_chunk, admission_frames=args.admission_frames,
                        codec_chunk=args.codec_chunk, codec_batch_sizes=tuple(args.codec_batch_sizes),
                        decode_sizes=resolve_decode_sizes(args.decode_sizes, args.max_streams, full_size=full_size),
                        compact_slots=args.compact_slots,

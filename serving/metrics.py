@@ -21,6 +21,8 @@ class Metrics:
         self.requests = Counter("drama3_requests", "finished requests by status", ["status"], registry=r)
         self.rejected = Counter("drama3_rejected", "requests rejected because the queue was full", registry=r)
         self.frames = Counter("drama3_generated_frames", "audio frames generated", registry=r)
+        self.admission_frames = Counter("drama3_admission_frames", "frames decoded on a prefill's lanes before "
+                                        "their streams joined the decode pool (--admission-frames)", registry=r)
         self.audio_seconds = Counter("drama3_audio_seconds", "seconds of audio delivered", registry=r)
         self.ttfa_seconds = Histogram("drama3_time_to_first_audio_seconds", "arrival to first audio chunk",
                                       buckets=_LATENCY, registry=r)

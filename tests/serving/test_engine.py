@@ -52,6 +52,21 @@ def sync_engine():
     eng.shutdown(5)
 
 
+@pytest.fixture(scope="module")
+def first_frames_engine():
+    """8 slots whose new streams get 5 frames on their prefill's lanes (`admission_frames` = first chunk + 1)."""
+    talker, tok, codec = tiny_random_parts(jnp.float32)
+    eng = Engine(talker, tok, codec, EngineConfig(max_streams=8, max_new_tokens=10, max_prompt_rows=512,
+                                                  prefill_chunk=128, prefill_batch_sizes=(1,),
+                                                  prefill_packed_rows=(1024,), prefill_lane_rows=128,
+                                                  prefill_busy_streams=1000, codec_first_chunk=4, codec_chunk=8,
+                                                  codec_batch_sizes=(8,), codec_low_load_chunk=0, compile_threads=2,
+                                                  admission_frames=5, encode_warmup="lazy"))
+    eng.start()
+    yield eng
+    eng.shutdown(5)
+
+
 def test_compiled_ahead_of_time_means_no_compile_at_the_first_call():
     """What Engine.warm_up relies on: a jitted step (static size, donated state, as the engine's) compiled with
     `.lower(...).compile()` on worker threads is not compiled again when it is then called (counted by JAX's
@@ -148,6 +163,30 @@ def test_long_text_is_generated_chunk_by_chunk(engine):
     np.testing.assert_array_equal(served, codes)
     sizes = np.array(engine.codec.cfg.codebook_sizes)[:, None]
     np.testing.assert_allclose(audio, engine.codec.decode(np.minimum(codes, sizes - 1)), atol=1e-4)
+
+
+def test_first_frames_on_the_prefill_lanes_change_where_frames_are_made_not_the_frames(engine,
+                                                                                        first_frames_engine):
+    """Six requests admitted in packed prefills of 8 lanes (the empty ones routed to no expert) get their first 5
+    frames from the decode call on the prefill's lanes: the tokens and audio are the pool-only engine's, for streams that stop inside those frames
+    (forced 2), at their end (5), after them (10) and by the stop rules, and one frame per request and lane step
+    is counted as made there."""
+    texts = [f"First frames on the prefill lanes, request {i}." for i in range(6)]
+    seeds, forced = list(range(60, 66)), [2, 5, 10, 10, None, None]
+    made0 = _sample_value(first_frames_engine.metrics.admission_frames, "_total")
+    batches0 = _sample_value(first_frames_engine.metrics.prefill_batch, "_count")
+    audio, codes = run(first_frames_engine, texts, seeds, forced=forced)
+    pool_audio, pool_codes = run(engine, texts, seeds, forced=forced)
+    for i in range(6):
+        np.testing.assert_array_equal(codes[i], pool_codes[i])
+        np.testing.assert_allclose(audio[i], pool_audio[i], atol=1e-4)
+    assert [c.shape[1] for c in codes[:4]] == [2, 5, 10, 10]
+    made = _sample_value(first_frames_engine.metrics.admission_frames, "_total") - made0
+    batches = _sample_value(first_frames_engine.metrics.prefill_batch, "_count") - batches0
+    # each request's frames up to its stop (the stopping frame included), at most 5 each
+    assert 2 + 5 + 5 + 5 <= made <= 2 + 5 * 5 and batches >= 1
+    assert first_frames_engine.active_count() == 0
+    assert int(np.asarray(first_frames_engine.pool.active).sum()) == 0
 
 
 def test_synchronous_engine_serves_what_offline_generation_makes(sync_engine):
