@@ -110,6 +110,9 @@ CONFIGS: dict[str, tuple[str, Callable[[EngineConfig], EngineConfig]]] = {
                       lambda c: dataclasses.replace(c, codec_first_chunk=3)),
     "first_chunk_2": ("first audio chunk 4 frames -> 2 (TTFA; its codec call runs at 4 frames, padded)",
                       lambda c: dataclasses.replace(c, codec_first_chunk=2)),
+    "admission_frames_5": ("new streams' first frames from the pool's steps -> 5 from a decode call on their "
+                           "prefill's lanes (TTFA; one more compiled decode per prefill lane count)",
+                           lambda c: dataclasses.replace(c, admission_frames=5)),
     "codec_period_4": ("periodic codec call every 8 decode steps -> every 4 (smaller, more frequent calls: buffers "
                        "refilled sooner)", lambda c: dataclasses.replace(c, codec_period=4)),
     "codec_batches_8": ("codec batch sizes (8, 32, 64, pool) -> (8, pool)",
