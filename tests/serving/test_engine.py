@@ -189,6 +189,18 @@ def test_first_frames_on_the_prefill_lanes_change_where_frames_are_made_not_the_
     assert int(np.asarray(first_frames_engine.pool.active).sum()) == 0
 
 
+def test_first_frames_of_each_text_chunk_on_its_prefill_lanes(first_frames_engine):
+    """A long text's later chunks are prefilled into the slot they hold and get their first frames the same way:
+    the codes are offline generation's, chunk after chunk."""
+    text = " ".join(f"Sentence {i} of a long paragraph that keeps going." for i in range(7))
+    assert len(split_long_text(text)) >= 2
+    (audio,), (served,) = run(first_frames_engine, [text], [7], max_frames=8)
+    codes = generate(_talker(first_frames_engine), first_frames_engine.tok, text, seed=7, max_new_frames=8)
+    np.testing.assert_array_equal(served, codes)
+    sizes = np.array(first_frames_engine.codec.cfg.codebook_sizes)[:, None]
+    np.testing.assert_allclose(audio, first_frames_engine.codec.decode(np.minimum(codes, sizes - 1)), atol=1e-4)
+
+
 def test_synchronous_engine_serves_what_offline_generation_makes(sync_engine):
     """The synchronous engine (no step in flight, prompts padded to [batch, chunk]) gives offline generation's codes
     and their one-shot codec decode."""
