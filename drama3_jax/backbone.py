@@ -508,6 +508,11 @@ class TextModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
 
+# main_logits on the fused `main_head` when there is one (experiments/decode_profile.py's `_sliced_head` variant turns
+# it off while a step is traced, for the A/B)
+MAIN_HEAD_GEMM = True
+
+
 class Drama3Backbone(nnx.Module):
     """Backbone + lm_head + the shared codebook table that feeds semantic rows."""
 
@@ -519,7 +524,21 @@ class Drama3Backbone(nnx.Module):
         self.audio_decoder = _Container()
         self.audio_decoder.codebook_embeddings = Embedding(
             cfg.tower.num_codebooks * cfg.tower.vocab_size, cfg.tower.dim, dtype=dtype)
+        self.main_head = None  # [band + 1, H]: lm_head's band rows then its EOS row, after fuse_projections()
         self.cfg = cfg
+
+    def fuse_projections(self):
+        """The backbone's part of Drama3Model.fuse_projections: each layer's groups of projections of one input as
+        one GEMM, and a copy of lm_head's band and EOS rows for `main_logits` (band_size + 1 rows: 16.8 MB at full
+        size). Idempotent."""
+        for layer in self.model.language_model.layers:
+            (layer.self_attn if layer.layer_type == "full_attention" else layer.linear_attn).fuse_projections()
+            layer.mlp.fuse_projections()
+        if self.main_head is None:
+            c, w = self.cfg, self.lm_head.weight[...]
+            self.main_head = nnx.data(nnx.Param(jnp.concatenate(
+                [w[c.semantic_start_token_id:c.semantic_end_token_id + 1], w[c.eos_token_id][None]], axis=0)))
+        return self
 
     # -------------------------------------------------------------------------------- embedding of frame rows
     def embed_rows(self, rows: jax.Array) -> jax.Array:
@@ -580,12 +599,16 @@ class Drama3Backbone(nnx.Module):
 
     def main_logits(self, hidden):
         """Logits of the main-token candidates: the semantic band (in order) then EOS, fp32 [..., band+1].
-        Only those lm_head rows are multiplied."""
+        Only those lm_head rows are multiplied: one GEMM on `main_head` after fuse_projections, else two products
+        on slices of lm_head (no per-call copy of the band's weights) and a concatenation. In the decode step that
+        concatenation was one ~36 us kernel at 1 and at 128 slots, for at most 2 MB of output (H200 decode profiles
+        of 2026-12-02 and 2026-12-04, H100 of 2026-12-07: `lm_head/concatenate`)."""
         c = self.cfg
         w = self.lm_head.weight[...]
         h = hidden.astype(w.dtype)
         dot = lambda rows: jax.lax.dot_general(h, rows, (((h.ndim - 1,), (1,)), ((), ())),
                                                preferred_element_type=jnp.float32)
-        # two products on slices of lm_head (no per-step copy of the 4097 x H band weights), then a tiny concat
+        if self.main_head is not None and MAIN_HEAD_GEMM:
+            return dot(self.main_head[...])
         band = dot(w[c.semantic_start_token_id:c.semantic_end_token_id + 1])
         return jnp.concatenate([band, dot(w[c.eos_token_id][None])], axis=-1)

@@ -42,11 +42,10 @@ class Drama3Model(Drama3Backbone):
 
     def fuse_projections(self):
         """Run every group of projections of one input as one GEMM (FusedLinear): GDN in_proj_{qkv,z,b,a}, attention
-        q/k/v, the MoE router with the shared expert's gate/up and gate, the tower FFNs' w1/w3. A layout change for
-        speed, done once after loading (the module tree then no longer mirrors the checkpoint); idempotent."""
-        for layer in self.model.language_model.layers:
-            (layer.self_attn if layer.layer_type == "full_attention" else layer.linear_attn).fuse_projections()
-            layer.mlp.fuse_projections()
+        q/k/v, the MoE router with the shared expert's gate/up and gate, the tower FFNs' w1/w3; and the main token's
+        band + EOS rows of lm_head as one weight (Drama3Backbone.fuse_projections). A layout change for speed, done
+        once after loading (the module tree then no longer mirrors the checkpoint); idempotent."""
+        super().fuse_projections()
         for stack in (self.audio_decoder_mtp_shared, self.audio_decoder_mtp):
             for mtp in stack.layers:
                 mtp.transformer_layer.feed_forward.fuse_projections()

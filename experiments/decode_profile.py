@@ -104,6 +104,11 @@ PATCHES = {
         ("kernels.moe.routing_triton", "MAX_PAIRS", None, 0),
         ("kernels.gdn.pallas_triton", "TUNING", "decode", {"conv_shift": "xla"}),
     ]),
+    # the main logits as two products on lm_head's slices and a concatenation (one ~36 us kernel in the profiles), not
+    # one GEMM on the fused band + EOS weight (Drama3Backbone.main_head)
+    "pallas_bf16_w8a8_fused_sliced_head": ("pallas_bf16_w8a8_fused", [
+        ("drama3_jax.backbone", "MAIN_HEAD_GEMM", None, False),
+    ]),
     # the expert block schedule in XLA at every size (not the one-program Pallas schedule for <= 64 pairs)
     "pallas_bf16_w8a8_fused_xla_schedule": ("pallas_bf16_w8a8_fused", [
         ("kernels.moe.routing_triton", "MAX_PAIRS", None, 0),

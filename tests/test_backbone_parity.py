@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import torch
 from flax import nnx
 
 import drama3_jax
+import drama3_jax.backbone
 from drama3_jax.backbone import init_cache
 from tests.conftest import random_rows
 from tests.reference.torch_backbone import TorchBackbone
@@ -202,7 +205,8 @@ def test_moe_activations_fp8_runs_w8a8_on_whole_128_column_groups(tiny_cfg):
 def test_fused_projections_equal_the_checkpoint_layout(tiny_fp8_dir, tiny_cfg):
     """Drama3Model.fuse_projections (each group of projections of one input as one GEMM) changes no result: the
     prefill (backbone, teacher-forced tower and its head logits) and a decode step equal the checkpoint-layout
-    model's, and the weights are the same numbers, moved rather than copied."""
+    model's, and the weights are the same numbers, moved rather than copied (except the main token's band + EOS
+    rows of lm_head, copied into one weight: the main logits from it equal the two products on lm_head's slices)."""
     from drama3_jax.nn import FusedLinear
 
     model = drama3_jax.load_talker(tiny_fp8_dir, dtype=jnp.float32)
@@ -212,7 +216,7 @@ def test_fused_projections_equal_the_checkpoint_layout(tiny_fp8_dir, tiny_cfg):
     def run():
         h, logits, cache = model.teacher_forced(rows, lengths, 32)
         step, _ = model.forward(rows[:, :1], cache.backbone, jnp.ones((2,), jnp.int32))
-        return [np.asarray(a) for a in (h, logits, step)]
+        return [np.asarray(a) for a in (h, logits, step, model.main_logits(step))]
 
     count = lambda: sum(x.size for x in jax.tree.leaves(nnx.state(model)))  # noqa: E731
     before, n_before = run(), count()
@@ -223,9 +227,17 @@ def test_fused_projections_equal_the_checkpoint_layout(tiny_fp8_dir, tiny_cfg):
     assert not hasattr(layer[0].linear_attn, "in_proj_qkv") and not hasattr(layer[0].mlp, "gate")
     mlp = layer[0].mlp.in_proj
     assert mlp.sizes == (tiny_cfg.text.num_experts, 32, 32, 1) and mlp.weight.shape[0] == 128  # 73 rows + 55 zero
-    assert count() == n_before + sum(-sum(m.sizes) % 64 * m.weight.shape[1] for m in _fused(model))
+    H = tiny_cfg.text.hidden_size
+    assert model.main_head.shape == (tiny_cfg.band_size + 1, H)
+    assert count() == n_before + sum(-sum(m.sizes) % 64 * m.weight.shape[1] for m in _fused(model)) + (
+        tiny_cfg.band_size + 1) * H
     for a, b in zip(run(), before):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+    # one GEMM; the decode profile's `_sliced_head` variant (MAIN_HEAD_GEMM off) traces the slices + concatenation
+    h = jnp.asarray(before[2])
+    with mock.patch.object(drama3_jax.backbone, "MAIN_HEAD_GEMM", False):
+        sliced = str(jax.make_jaxpr(model.main_logits)(h))
+    assert "concatenate" in sliced and "concatenate" not in str(jax.make_jaxpr(model.main_logits)(h))
 
 
 def _fused(model):
