@@ -187,6 +187,15 @@ def test_first_frames_on_the_prefill_lanes_change_where_frames_are_made_not_the_
     assert 2 + 5 + 5 + 5 <= made <= 2 + 5 * 5 and batches >= 1
     assert first_frames_engine.active_count() == 0
     assert int(np.asarray(first_frames_engine.pool.active).sum()) == 0
+    # the synchronous tick processes the lane rows before the step dispatched after them: the same codes
+    base = first_frames_engine.cfg
+    first_frames_engine.reconfigure(dataclasses.replace(base, pipeline_depth=0))
+    try:
+        _, sync_codes = run(first_frames_engine, texts[:3], seeds[:3], forced=forced[:3])
+    finally:
+        first_frames_engine.reconfigure(base)
+    for i in range(3):
+        np.testing.assert_array_equal(sync_codes[i], pool_codes[i])
 
 
 def test_first_frames_of_each_text_chunk_on_its_prefill_lanes(first_frames_engine):
