@@ -153,24 +153,27 @@ def test_streams_move_down_so_the_step_shrinks(engine):
     assert all(c.shape[1] == 2 for c in codes[:24])
 
 
-def test_long_text_is_generated_chunk_by_chunk(engine):
+@pytest.mark.parametrize("which", ["engine", "first_frames_engine"])
+def test_long_text_is_generated_chunk_by_chunk(which, request):
     """The chunks of a long text follow each other in one stream, as offline generation does (the pipelined engine;
-    the synchronous one shares the chunking code and is checked on one chunk below)."""
+    the synchronous one shares the chunking code and is checked on one chunk below); with first frames on the
+    prefill lanes, each later chunk is prefilled into the slot it holds and gets its first frames the same way."""
+    eng = request.getfixturevalue(which)
     text = " ".join(f"Sentence {i} of a long paragraph that keeps going." for i in range(7))
     assert len(split_long_text(text)) >= 2
-    (audio,), (served,) = run(engine, [text], [7], max_frames=8)
-    codes = generate(_talker(engine), engine.tok, text, seed=7, max_new_frames=8)
+    (audio,), (served,) = run(eng, [text], [7], max_frames=8)
+    codes = generate(_talker(eng), eng.tok, text, seed=7, max_new_frames=8)
     np.testing.assert_array_equal(served, codes)
-    sizes = np.array(engine.codec.cfg.codebook_sizes)[:, None]
-    np.testing.assert_allclose(audio, engine.codec.decode(np.minimum(codes, sizes - 1)), atol=1e-4)
+    sizes = np.array(eng.codec.cfg.codebook_sizes)[:, None]
+    np.testing.assert_allclose(audio, eng.codec.decode(np.minimum(codes, sizes - 1)), atol=1e-4)
 
 
 def test_first_frames_on_the_prefill_lanes_change_where_frames_are_made_not_the_frames(engine,
                                                                                         first_frames_engine):
     """Six requests admitted in packed prefills of 8 lanes (the empty ones routed to no expert) get their first 5
-    frames from the decode call on the prefill's lanes: the tokens and audio are the pool-only engine's, for streams that stop inside those frames
-    (forced 2), at their end (5), after them (10) and by the stop rules, and one frame per request and lane step
-    is counted as made there."""
+    frames from the decode call on the prefill's lanes: the tokens and audio are the pool-only engine's, for streams
+    that stop inside those frames (forced 2), at their end (5), after them (10) and by the stop rules, and each
+    request's frames up to its stop are counted as made there; the same under the synchronous tick."""
     texts = [f"First frames on the prefill lanes, request {i}." for i in range(6)]
     seeds, forced = list(range(60, 66)), [2, 5, 10, 10, None, None]
     made0 = _sample_value(first_frames_engine.metrics.admission_frames, "_total")
@@ -196,18 +199,6 @@ def test_first_frames_on_the_prefill_lanes_change_where_frames_are_made_not_the_
         first_frames_engine.reconfigure(base)
     for i in range(3):
         np.testing.assert_array_equal(sync_codes[i], pool_codes[i])
-
-
-def test_first_frames_of_each_text_chunk_on_its_prefill_lanes(first_frames_engine):
-    """A long text's later chunks are prefilled into the slot they hold and get their first frames the same way:
-    the codes are offline generation's, chunk after chunk."""
-    text = " ".join(f"Sentence {i} of a long paragraph that keeps going." for i in range(7))
-    assert len(split_long_text(text)) >= 2
-    (audio,), (served,) = run(first_frames_engine, [text], [7], max_frames=8)
-    codes = generate(_talker(first_frames_engine), first_frames_engine.tok, text, seed=7, max_new_frames=8)
-    np.testing.assert_array_equal(served, codes)
-    sizes = np.array(first_frames_engine.codec.cfg.codebook_sizes)[:, None]
-    np.testing.assert_allclose(audio, first_frames_engine.codec.decode(np.minimum(codes, sizes - 1)), atol=1e-4)
 
 
 def test_synchronous_engine_serves_what_offline_generation_makes(sync_engine):
