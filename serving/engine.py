@@ -120,8 +120,9 @@ class EngineConfig:
     # prefill, before they join the pool), so that a first chunk does not wait for that many steps of the whole
     # pool: at 128 streams on the H200 a pool step came every ~29 ms and admission to first audio took ~228 ms, about
     # 8 of them (prefill, 4 frames, the rows and the codec call a step behind each; experiments/results/
-    # serve_bench_23/). The cost: a decode call over the prefill's lanes per admission (its weight reads are most of
-    # a pool step's, for a few rows, so its frames cost more GPU time each than the pool's ~0.2 ms at 128 streams),
+    # serve_bench_23/). The cost: a decode call over the prefill's lanes per admission (a step over a few rows still
+    # reads every dense weight and those rows' experts, so its frames cost more GPU time each than the pool's ~0.2
+    # ms at 128 streams),
     # and one more compiled decode per prefill lane count. With
     # `codec_first_chunk` + 1 frames the first chunk is ready when the call's rows are (one frame is held back for the
     # semantic-0-before-EOS rule). 0: off (not yet timed on a GPU)
