@@ -122,10 +122,9 @@ class EngineConfig:
     # 8 of them (prefill, 4 frames, the rows and the codec call a step behind each; experiments/results/
     # serve_bench_23/). The cost: a decode call over the prefill's lanes per admission (a step over a few rows still
     # reads every dense weight and those rows' experts, so its frames cost more GPU time each than the pool's ~0.2
-    # ms at 128 streams),
-    # and one more compiled decode per prefill lane count. With
-    # `codec_first_chunk` + 1 frames the first chunk is ready when the call's rows are (one frame is held back for the
-    # semantic-0-before-EOS rule). 0: off (not yet timed on a GPU)
+    # ms at 128 streams), and one more compiled decode per prefill lane count. With `codec_first_chunk` + 1 frames
+    # the first chunk is ready when the call's rows are (one frame is held back for the semantic-0-before-EOS rule).
+    # 0: off (not yet timed on a GPU)
     admission_frames: int = 0
     codec_period: int = 8  # decode steps between the calls that serve every playing stream
     # between periodic calls, give a stream that has played at most this many chunks one more when its audio would run
