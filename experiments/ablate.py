@@ -9,7 +9,8 @@ compile time, and each row's full engine configuration in the JSON.
 The model parts are built once. A configuration that differs from the live engine's in admission / guard / tick fields
 only (`serving.engine.POLICY_FIELDS`: rows admit_now, sync_tick, guard_*, prefill_*, codec_bridges_*), or in its codec
 schedule within the compiled frame counts (`CODEC_SCHEDULE_FIELDS`: first_chunk_2, codec_period_4, ...), runs on that
-engine, reconfigured ("compile s" 0); any other gets a fresh `Engine` (warm-up compile, run; the previous one shut
+engine, reconfigured ("compile s" 0), as does a row that changes `admission_frames` (admission_frames_5: "compile s"
+is then its first-frames calls' compile); any other gets a fresh `Engine` (warm-up compile, run; the previous one shut
 down and its device memory freed). Requests are the benchmark client's request bodies, validated and prepared by the
 server's own code (`serving.api.prepare_request`), and the figures come from `serving.bench.metrics.round_summary`, so
 they are defined exactly as `drama3-bench` defines them (chunk arrival = the engine's audio callback; bytes = samples
@@ -297,7 +298,8 @@ def trace_later(delay_s: float, seconds: float, trace_dir: str, out: dict) -> th
 class LiveEngine:
     """One warmed-up engine at a time. A row whose configuration differs from the live engine's in
     serving.engine.POLICY_FIELDS only (admission, guard, tick), or in its codec schedule within the compiled frame
-    counts, reuses it through `Engine.reconfigure`: no compile.
+    counts, reuses it through `Engine.reconfigure`: no compile; one that changes `admission_frames` too, compiling
+    only the new first-frames calls.
     Any other row shuts it down, frees its device memory and builds its own. (On the H200 a second Engine of the
     same shapes in one process compiled its talker steps again, 158 of 268 s, despite the persistent cache:
     experiments/results/ablate_128_g/.)"""
@@ -309,8 +311,7 @@ class LiveEngine:
         """(an engine running `cfg`, seconds spent compiling for it)."""
         if self.engine is not None and self.engine.reconfigurable(cfg):
             try:
-                self.engine.reconfigure(cfg)
-                return self.engine, 0.0
+                return self.engine, self.engine.reconfigure(cfg)
             except RuntimeError:  # still busy (a round that timed out): start over on a fresh engine
                 log("the live engine is not idle; building a fresh one")
         self.close()
@@ -450,8 +451,8 @@ def log_persistent_cache():
 
 
 def run_order(names: list[str], base: EngineConfig) -> list[str]:
-    """The --configs rows in their order, except that 'full' and the rows that it can be reconfigured to (policy and
-    codec schedule fields, `serving.engine.policy_changes`) come first: they all run on full's engine (LiveEngine)
+    """The --configs rows in their order, except that 'full' and the rows that it can be reconfigured to (policy,
+    codec schedule and first-frames fields, `serving.engine.policy_changes`) come first: they all run on full's engine (LiveEngine)
     before any row replaces it."""
     shares = [n for n in names if n != "full" and policy_changes(config_change(n)[1](base), base) is not None]
     return ["full"] * ("full" in names) + shares + [n for n in names if n != "full" and n not in shares]

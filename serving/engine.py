@@ -238,6 +238,9 @@ POLICY_FIELDS = frozenset({"max_queue", "pipeline_depth", "prefill_busy_streams"
 # frame count of its batch that holds its chunks (padded), so these may change too while the largest chunk they allow
 # per batch is at most the largest frame count compiled for it
 CODEC_SCHEDULE_FIELDS = frozenset({"codec_first_chunk", "codec_period", "codec_chunk", "codec_low_load_chunk"})
+# compiled by `Engine.reconfigure` when it changes: one small decode call per prefill lane count
+FIRST_FRAMES_FIELDS = frozenset({"admission_frames"})
+RECONFIGURABLE_FIELDS = POLICY_FIELDS | CODEC_SCHEDULE_FIELDS | FIRST_FRAMES_FIELDS
 
 
 def changed_fields(cfg: EngineConfig, base: EngineConfig) -> set[str]:
@@ -254,11 +257,11 @@ def _largest_frames(shapes) -> dict[int, int]:
 
 def policy_changes(cfg: EngineConfig, base: EngineConfig,
                    codec_shapes: tuple[tuple[int, int], ...] | None = None) -> set[str] | None:
-    """Names of the fields where `cfg` differs from `base`, or None if one of them changes a compiled shape: a field
-    outside POLICY_FIELDS and CODEC_SCHEDULE_FIELDS, or a codec schedule whose largest chunk for some batch exceeds
-    the largest frame count compiled for it (`codec_shapes`, default `base.codec_shapes`)."""
+    """Names of the fields where `cfg` differs from `base`, or None if `Engine.reconfigure` cannot make the change:
+    a field outside RECONFIGURABLE_FIELDS, or a codec schedule whose largest chunk for some batch exceeds the largest
+    frame count compiled for it (`codec_shapes`, default `base.codec_shapes`)."""
     changed = changed_fields(cfg, base)
-    allowed = POLICY_FIELDS
+    allowed = POLICY_FIELDS | FIRST_FRAMES_FIELDS
     compiled = _largest_frames(codec_shapes or base.codec_shapes)
     if all(T <= compiled.get(n, 0) for n, T in _largest_frames(cfg.codec_shapes).items()):
         allowed = allowed | CODEC_SCHEDULE_FIELDS
@@ -370,6 +373,8 @@ class Engine:
         self._mark_free = jax.jit(mark_free, donate_argnums=(0,) if donate else ())
         self._step = jax.jit(decode_step, static_argnums=(2,), donate_argnums=(1,) if donate else ())
         self._first_frames = jax.jit(first_frames, static_argnums=(3,), donate_argnums=(1,) if donate else ())
+        self._first_frames_compiled: set[tuple[int, int]] = set()  # (frames, lanes) of the compiled calls
+        self._row_shapes = None  # see _empty_state
         self._decode_steps = cfg.decode_steps
         self._codec_shapes = cfg.codec_shapes  # (streams, frames) of the compiled codec calls (fixed by warm_up)
         self.pool: DecodeState | None = None
@@ -446,15 +451,8 @@ class Engine:
         prefills = {f"prefill batch {b}": (b, functools.partial(prefill, b)) for b in self.cfg.batched_prefill_sizes}
         prefills.update({f"prefill packed {n} rows ({lanes} lanes)": (lanes, functools.partial(prefill_packed, n, lanes))
                          for n, lanes in self.cfg.packed_buckets})
-        if self.cfg.admission_frames:  # each prefill shape with its lanes' first frames, as `_admit` runs them
-            F = self.cfg.admission_frames
-
-            def with_first_frames(prefill_fn):
-                return self._first_frames(self._param_leaves, prefill_fn(), jnp.int32(1), F)[1]
-
-            prefills = {f"{name} + {F} first frames": (b, functools.partial(with_first_frames, fn))
-                        for name, (b, fn) in prefills.items()}
         jobs.update({name: fn for name, (_, fn) in prefills.items()})
+        jobs.update(self._first_frames_jobs(self.cfg.admission_frames))
         jobs.update({f"codec {n} streams x {T} frames": functools.partial(codec_step, n, T)
                      for n, T in self._codec_shapes})
         encodes = {f"reference encode {n} frames": functools.partial(encode, n) for n in self.cfg.encode_buckets}
@@ -498,28 +496,56 @@ class Engine:
                 log.exception("background warm-up of %s failed", name)
             self.metrics.warmup_pending.dec()
 
-    def _empty_pool(self) -> DecodeState:
-        S, K = self.cfg.max_streams, self.model_cfg.row_width
-        rows = np.zeros((1, self.cfg.prefill_chunk, K), np.int32)
-        one = jax.eval_shape(lambda: self.prefiller(rows, np.full((1,), 2, np.int32),
-                                                    RequestSampling.make([SamplingParams()], [0])))
-        return jax.tree.map(lambda x: jnp.zeros((S,) + x.shape[1:], x.dtype), one)
+    def _empty_state(self, rows: int) -> DecodeState:
+        """A DecodeState of `rows` zero rows: the pool's layout, or a prefill's lanes'."""
+        if self._row_shapes is None:  # one prefilled row's shapes (traced, not run)
+            prompt = np.zeros((1, self.cfg.prefill_chunk, self.model_cfg.row_width), np.int32)
+            self._row_shapes = jax.eval_shape(lambda: self.prefiller(prompt, np.full((1,), 2, np.int32),
+                                                                     RequestSampling.make([SamplingParams()], [0])))
+        return jax.tree.map(lambda x: jnp.zeros((rows,) + x.shape[1:], x.dtype), self._row_shapes)
 
-    def reconfigure(self, cfg: EngineConfig):
+    def _empty_pool(self) -> DecodeState:
+        return self._empty_state(self.cfg.max_streams)
+
+    def _first_frames_jobs(self, frames: int) -> dict[str, Callable[[], Any]]:
+        """Warm-up jobs for the `frames`-frame call on a prefill's lanes (`admission_frames`): one per lane count of
+        the prefill calls not yet compiled for it, each run once on empty lanes (routed to no expert)."""
+        lanes = sorted(set(self.cfg.batched_prefill_sizes) | {n for _, n in self.cfg.packed_buckets})
+        todo = [n for n in lanes if frames and (frames, n) not in self._first_frames_compiled]
+
+        def job(n):
+            rows, _ = self._first_frames(self._param_leaves, self._empty_state(n), jnp.int32(0), frames)
+            self._first_frames_compiled.add((frames, n))
+            return rows
+
+        return {f"first frames x{frames} ({n} lanes)": functools.partial(job, n) for n in todo}
+
+    def reconfigure(self, cfg: EngineConfig) -> float:
         """Swap in `cfg` while the engine is idle (no stream active, queued or in flight), keeping every compiled
-        shape: `cfg` may differ from the current configuration in POLICY_FIELDS and, within the compiled codec
-        frame counts, CODEC_SCHEDULE_FIELDS only (the ablation harness runs its admission, tick and codec schedule
-        rows on one warmed-up engine)."""
+        shape: `cfg` may differ from the current configuration in POLICY_FIELDS, within the compiled codec frame
+        counts in CODEC_SCHEDULE_FIELDS, and in `admission_frames`, whose calls are compiled here when new (the
+        ablation harness runs its admission, tick, codec schedule and first-frames rows on one warmed-up engine).
+        Returns the seconds spent compiling."""
         if not self.reconfigurable(cfg):
-            raise ValueError("reconfigure changes only " + ", ".join(sorted(POLICY_FIELDS | CODEC_SCHEDULE_FIELDS))
+            raise ValueError("reconfigure changes only " + ", ".join(sorted(RECONFIGURABLE_FIELDS))
                              + f" (chunks within the compiled codec shapes {self._codec_shapes}); build a new "
                              + "Engine for "
-                             + ", ".join(sorted(changed_fields(cfg, self.cfg) - POLICY_FIELDS)))
+                             + ", ".join(sorted(changed_fields(cfg, self.cfg) - RECONFIGURABLE_FIELDS)))
         _check_policy(cfg)
+        self._check_idle()
+        t, jobs = time.perf_counter(), self._first_frames_jobs(cfg.admission_frames)
+        for name, fn in jobs.items():
+            jax.block_until_ready(fn())
+            log.info("reconfigure: %s compiled and run", name)
+        dt = time.perf_counter() - t if jobs else 0.0
         with self.lock:
-            if self.active_count() or self.waiting or self.continuations or self._inflight or self._codec_inflight:
-                raise RuntimeError("reconfigure needs an idle engine")
+            self._check_idle()
             self.cfg = cfg
+        return dt
+
+    def _check_idle(self):
+        if self.active_count() or self.waiting or self.continuations or self._inflight or self._codec_inflight:
+            raise RuntimeError("reconfigure needs an idle engine")
 
     def reconfigurable(self, cfg: EngineConfig) -> bool:
         """Whether `reconfigure(cfg)` keeps every compiled shape."""

@@ -52,21 +52,6 @@ def sync_engine():
     eng.shutdown(5)
 
 
-@pytest.fixture(scope="module")
-def first_frames_engine():
-    """8 slots whose new streams get 5 frames on their prefill's lanes (`admission_frames` = first chunk + 1)."""
-    talker, tok, codec = tiny_random_parts(jnp.float32)
-    eng = Engine(talker, tok, codec, EngineConfig(max_streams=8, max_new_tokens=10, max_prompt_rows=512,
-                                                  prefill_chunk=128, prefill_batch_sizes=(1,),
-                                                  prefill_packed_rows=(1024,), prefill_lane_rows=128,
-                                                  prefill_busy_streams=1000, codec_first_chunk=4, codec_chunk=8,
-                                                  codec_batch_sizes=(8,), codec_low_load_chunk=0, compile_threads=2,
-                                                  admission_frames=5, encode_warmup="lazy"))
-    eng.start()
-    yield eng
-    eng.shutdown(5)
-
-
 def test_compiled_ahead_of_time_means_no_compile_at_the_first_call():
     """What Engine.warm_up relies on: a jitted step (static size, donated state, as the engine's) compiled with
     `.lower(...).compile()` on worker threads is not compiled again when it is then called (counted by JAX's
@@ -92,6 +77,16 @@ def test_compiled_ahead_of_time_means_no_compile_at_the_first_call():
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert ahead == 2 and len(compiles) == 2
+
+
+@pytest.fixture
+def first_frames_engine(engine):
+    """The shared engine reconfigured in place so that new streams get 5 frames on their prefill's lanes
+    (`admission_frames` = first chunk + 1; its calls compiled by `reconfigure`), restored afterwards."""
+    base = engine.cfg
+    engine.reconfigure(dataclasses.replace(base, admission_frames=5))
+    yield engine
+    engine.reconfigure(base)
 
 
 def run(engine, texts, seeds, max_frames=10, forced=None):
@@ -168,37 +163,47 @@ def test_long_text_is_generated_chunk_by_chunk(which, request):
     np.testing.assert_allclose(audio, eng.codec.decode(np.minimum(codes, sizes - 1)), atol=1e-4)
 
 
-def test_first_frames_on_the_prefill_lanes_change_where_frames_are_made_not_the_frames(engine,
-                                                                                        first_frames_engine):
+def test_first_frames_on_the_prefill_lanes_change_where_frames_are_made_not_the_frames(engine):
     """Six requests admitted in packed prefills of 8 lanes (the empty ones routed to no expert) get their first 5
-    frames from the decode call on the prefill's lanes: the tokens and audio are the pool-only engine's, for streams
+    frames from the decode call on the prefill's lanes: the tokens and audio are those of the pool alone, for streams
     that stop inside those frames (forced 2), at their end (5), after them (10) and by the stop rules, and each
-    request's frames up to its stop are counted as made there; the same under the synchronous tick."""
+    request's frames up to its stop are counted as made there; the same under the synchronous tick. `reconfigure`
+    compiles those calls (once per frame count), so serving compiles nothing."""
     texts = [f"First frames on the prefill lanes, request {i}." for i in range(6)]
     seeds, forced = list(range(60, 66)), [2, 5, 10, 10, None, None]
-    made0 = _sample_value(first_frames_engine.metrics.admission_frames, "_total")
-    batches0 = _sample_value(first_frames_engine.metrics.prefill_batch, "_count")
-    audio, codes = run(first_frames_engine, texts, seeds, forced=forced)
     pool_audio, pool_codes = run(engine, texts, seeds, forced=forced)
+    base = engine.cfg
+    five, sync_five = (dataclasses.replace(base, admission_frames=5, pipeline_depth=d) for d in (1, 0))
+    engine.reconfigure(five)
+    assert engine.reconfigure(base) == 0.0 and engine.reconfigure(five) == 0.0  # compiled once
+    compiles = []
+
+    def listener(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+
+    made0 = _sample_value(engine.metrics.admission_frames, "_total")
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        audio, codes = run(engine, texts, seeds, forced=forced)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+        engine.reconfigure(base)
+    made = _sample_value(engine.metrics.admission_frames, "_total") - made0
+    assert not compiles
+    engine.reconfigure(sync_five)
+    try:
+        _, sync_codes = run(engine, texts[:3], seeds[:3], forced=forced[:3])
+    finally:
+        engine.reconfigure(base)
     for i in range(6):
         np.testing.assert_array_equal(codes[i], pool_codes[i])
         np.testing.assert_allclose(audio[i], pool_audio[i], atol=1e-4)
     assert [c.shape[1] for c in codes[:4]] == [2, 5, 10, 10]
-    made = _sample_value(first_frames_engine.metrics.admission_frames, "_total") - made0
-    batches = _sample_value(first_frames_engine.metrics.prefill_batch, "_count") - batches0
-    # each request's frames up to its stop (the stopping frame included), at most 5 each
-    assert 2 + 5 + 5 + 5 <= made <= 2 + 5 * 5 and batches >= 1
-    assert first_frames_engine.active_count() == 0
-    assert int(np.asarray(first_frames_engine.pool.active).sum()) == 0
-    # the synchronous tick processes the lane rows before the step dispatched after them: the same codes
-    base = first_frames_engine.cfg
-    first_frames_engine.reconfigure(dataclasses.replace(base, pipeline_depth=0))
-    try:
-        _, sync_codes = run(first_frames_engine, texts[:3], seeds[:3], forced=forced[:3])
-    finally:
-        first_frames_engine.reconfigure(base)
+    assert 2 + 5 + 5 + 5 <= made <= 2 + 5 * 5  # each request's frames up to its stop (included), at most 5 each
     for i in range(3):
         np.testing.assert_array_equal(sync_codes[i], pool_codes[i])
+    assert engine.active_count() == 0 and int(np.asarray(engine.pool.active).sum()) == 0
 
 
 def test_synchronous_engine_serves_what_offline_generation_makes(sync_engine):
@@ -368,6 +373,7 @@ def test_reconfigure_swaps_policy_fields_only_and_only_when_idle(engine):
     assert policy_changes(dataclasses.replace(base, codec_period=1), base) == {"codec_period"}
     assert policy_changes(dataclasses.replace(base, codec_period=16), base) is None
     assert policy_changes(dataclasses.replace(base, max_new_tokens=11), base) is None
+    assert policy_changes(dataclasses.replace(base, admission_frames=3), base) == {"admission_frames"}  # compiled then
     # the low-load chunk (32 frames) is compiled for the smallest codec batch only: within it it may change, not past
     assert base.codec_shapes == ((8, 4), (8, 8), (8, 32), (32, 4), (32, 8))
     assert policy_changes(dataclasses.replace(base, codec_low_load_chunk=16), base) == {"codec_low_load_chunk"}
