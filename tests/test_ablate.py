@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ablation_harness_on_the_tiny_model(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.ablate", "--out", str(out), "--preset", "tiny",
-           "--configs", "ssm_fp32", "first_chunk_3", "full", "sync_tick", "--streams", "2", "--warmup", "1",
+           "--configs", "ssm_fp32+admission_frames_5", "first_chunk_3", "full", "sync_tick", "--streams", "2", "--warmup", "1",
            "--max-new-tokens", "8", "--ref-seconds", "0.5", "1", "--trace-s", "2", "--trace-delay-s", "0",
            "--compilation-cache", os.environ["JAX_COMPILATION_CACHE_DIR"],
            "--engine", "prefill_chunk=64", "prefill_batch_sizes=1,2", "prefill_packed_rows=256", "max_reference_frames=224"]
@@ -28,9 +28,12 @@ def test_ablation_harness_on_the_tiny_model(tmp_path):
     table = (out / "ablate.md").read_text()
     rows = {r["name"]: r for r in result["rows"]}
     # full first, then the rows reconfigured on its engine (sync_tick: a policy field; first_chunk_3: the codec
-    # schedule, its 3-frame chunks run padded to full's 4-frame calls), then ssm_fp32 (a new engine: a new state
-    # dtype), the profiled run last (a new engine again)
-    assert list(rows) == ["full", "first_chunk_3", "sync_tick", "ssm_fp32", "full_profiled"]
+    # schedule, its 3-frame chunks run padded to full's 4-frame calls), then ssm_fp32 with first frames on the
+    # prefill lanes (a new engine: a new state dtype; its warm-up compiles the first-frames calls too), the profiled
+    # run last (a new engine again)
+    fp32_ff = "ssm_fp32+admission_frames_5"
+    assert list(rows) == ["full", "first_chunk_3", "sync_tick", fp32_ff, "full_profiled"]
+    assert rows[fp32_ff]["engine_config"]["admission_frames"] == 5
     assert result["command"].startswith("python experiments/ablate.py --out $OUT --preset tiny")
     for name, r in rows.items():
         assert r["status"] == "ok", r
