@@ -521,11 +521,11 @@ class Engine:
         return {f"first frames x{frames} ({n} lanes)": functools.partial(job, n) for n in todo}
 
     def reconfigure(self, cfg: EngineConfig) -> float:
-        """Swap in `cfg` while the engine is idle (no stream active, queued or in flight), keeping every compiled
-        shape: `cfg` may differ from the current configuration in POLICY_FIELDS, within the compiled codec frame
-        counts in CODEC_SCHEDULE_FIELDS, and in `admission_frames`, whose calls are compiled here when new (the
-        ablation harness runs its admission, tick, codec schedule and first-frames rows on one warmed-up engine).
-        Returns the seconds spent compiling."""
+        """Swap in `cfg` while the engine is idle (no stream active, queued or in flight), keeping its compiled
+        shapes and slot pool: `cfg` may differ from the current configuration in POLICY_FIELDS, within the compiled
+        codec frame counts in CODEC_SCHEDULE_FIELDS, and in `admission_frames`, whose calls are compiled here when
+        new (the ablation harness runs its admission, tick, codec schedule and first-frames rows on one warmed-up
+        engine). Returns the seconds spent compiling."""
         if not self.reconfigurable(cfg):
             raise ValueError("reconfigure changes only " + ", ".join(sorted(RECONFIGURABLE_FIELDS))
                              + f" (chunks within the compiled codec shapes {self._codec_shapes}); build a new "
@@ -548,7 +548,7 @@ class Engine:
             raise RuntimeError("reconfigure needs an idle engine")
 
     def reconfigurable(self, cfg: EngineConfig) -> bool:
-        """Whether `reconfigure(cfg)` keeps every compiled shape."""
+        """Whether `reconfigure(cfg)` can make the change (see `policy_changes`)."""
         return policy_changes(cfg, self.cfg, self._codec_shapes) is not None
 
     def start(self):
