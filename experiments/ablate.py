@@ -452,8 +452,8 @@ def log_persistent_cache():
 
 def run_order(names: list[str], base: EngineConfig) -> list[str]:
     """The --configs rows in their order, except that 'full' and the rows that it can be reconfigured to (policy,
-    codec schedule and first-frames fields, `serving.engine.policy_changes`) come first: they all run on full's engine (LiveEngine)
-    before any row replaces it."""
+    codec schedule and first-frames fields, `serving.engine.policy_changes`) come first: they all run on full's
+    engine (LiveEngine) before any row replaces it."""
     shares = [n for n in names if n != "full" and policy_changes(config_change(n)[1](base), base) is not None]
     return ["full"] * ("full" in names) + shares + [n for n in names if n != "full" and n not in shares]
 

@@ -53,7 +53,7 @@ import numpy as np
 from flax import nnx
 
 from drama3_jax.backbone import Backends
-from drama3_jax.generate import DecodeState, Prefiller, RequestSampling, frame_step, frame_step_prefix
+from drama3_jax.generate import DecodeState, Prefiller, RequestSampling, frame_step_prefix
 from drama3_jax.model import Drama3Model
 from drama3_jax.prompt import build_prompt, history_for_chunk
 from drama3_jax.sampling import SamplingParams
@@ -339,26 +339,23 @@ class Engine:
         def move_slots(tree, src, dst):  # rows src -> dst of every [S, ...] leaf; entries >= S are padding
             return jax.tree.map(lambda x: x.at[dst].set(jnp.take(x, src, axis=0, mode="clip"), mode="drop"), tree)
 
-        def decode_step(params, pool, n):
+        def run_frames(params, state, n, frames):  # `frames` frame steps over rows [0, n): (rows [F, n, 1+K], state)
             model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, params))
 
             def body(s, _):
                 row, s = frame_step_prefix(model, s, n, backends)
                 return s, row
 
-            pool, rows = jax.lax.scan(body, pool, None, length=cfg.frames_per_step)
-            return rows, pool
+            state, rows = jax.lax.scan(body, state, None, length=frames)
+            return rows, state
+
+        def decode_step(params, pool, n):
+            return run_frames(params, pool, n, cfg.frames_per_step)
 
         def first_frames(params, new, n_real, frames):  # `admission_frames` on a prefill's lanes
-            model = nnx.merge(self.graphdef, jax.tree.unflatten(param_tree, params))
-            lanes = jnp.arange(new.h.shape[0])
-            new = dataclasses.replace(new, active=(lanes < n_real).astype(new.active.dtype))  # empty lanes: no experts
-
-            def body(s, _):
-                row, s = frame_step(model, s, backends)
-                return s, row
-
-            new, rows = jax.lax.scan(body, new, None, length=frames)
+            lanes = new.h.shape[0]
+            active = (jnp.arange(lanes) < n_real).astype(new.active.dtype)  # empty lanes: routed to no expert
+            rows, new = run_frames(params, dataclasses.replace(new, active=active), lanes, frames)
             return rows, dataclasses.replace(new, active=jnp.ones_like(new.active))
 
         def mark_free(active, slots):  # free slots' rows route to no expert (DecodeState.active); entries >= S pad

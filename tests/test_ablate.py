@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ablation_harness_on_the_tiny_model(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "experiments.ablate", "--out", str(out), "--preset", "tiny",
-           "--configs", "ssm_fp32+admission_frames_5", "first_chunk_3", "full", "sync_tick", "--streams", "2", "--warmup", "1",
+           "--configs", "ssm_fp32+admission_frames_5", "first_chunk_3", "full", "sync_tick", "--streams", "2",
+           "--warmup", "1",
            "--max-new-tokens", "8", "--ref-seconds", "0.5", "1", "--trace-s", "2", "--trace-delay-s", "0",
            "--compilation-cache", os.environ["JAX_COMPILATION_CACHE_DIR"],
            "--engine", "prefill_chunk=64", "prefill_batch_sizes=1,2", "prefill_packed_rows=256", "max_reference_frames=224"]
