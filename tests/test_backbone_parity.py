@@ -319,7 +319,8 @@ def test_moe_skips_prompt_padding_without_changing_the_prompt(jax_fp32, tiny_cfg
     assert np.isfinite(h1).all() and not np.array_equal(h1, h0)  # padding rows differ: the mask is really on
 
 
-@pytest.mark.parametrize("fused", [False, True])
+# the unfused layout (not what the engine serves) in the slow tier, to keep CI inside its 15 minutes
+@pytest.mark.parametrize("fused", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_gdn_kernels_in_the_model_on_the_v_major_cache(jax_fp32, tiny_fp8_dir, tiny_cfg, monkeypatch, fused):
     """Backends(gdn_prefill=gdn_decode="pallas_triton") (interpret mode, fp32 dots) run the model's v-major GDN cache
     ([S, H_v, D_v, D_k]): a ragged prefill, then two decode steps, give the reference backends' hidden states and

@@ -10,6 +10,7 @@ import pytest
 from experiments import codec_throughput
 
 
+@pytest.mark.slow  # an experiment harness end to end: the slow tier
 def test_timing_and_profile_by_stage(tmp_path):
     rc = codec_throughput.main(["--out", str(tmp_path), "--preset", "tiny", "--configs", "float32:2:4",
                                 "--steps", "2", "--repeats", "1", "--profile-steps", "1",

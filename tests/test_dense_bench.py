@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from drama3_jax.config import preset
 from experiments import dense_bench
 from kernels.dense.pallas_triton import check_shapes
@@ -27,6 +29,7 @@ def test_step_shapes_of_the_full_model():
                 assert 64 <= (n // cfg.block_n) * cfg.split_k <= 1056 and cfg.swap_ab == (m <= 64)
 
 
+@pytest.mark.slow  # an experiment harness end to end: the slow tier
 def test_tiny_run_writes_table(tmp_path):
     res = dense_bench.main(["--out", str(tmp_path), "--preset", "tiny", "--rows", "4", "--reps", "1"])
     assert res["rows"] and all(r["xla"]["ms"] > 0 for r in res["rows"])
