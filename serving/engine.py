@@ -531,9 +531,12 @@ class Engine:
         _check_policy(cfg)
         self._check_idle()
         t, jobs = time.perf_counter(), self._first_frames_jobs(cfg.admission_frames)
-        for name, fn in jobs.items():
-            jax.block_until_ready(fn())
-            log.info("reconfigure: %s compiled and run", name)
+        # side by side, as warm_up compiles (one full-size decode compile is ~100 s; there is one per lane count)
+        with ThreadPoolExecutor(max_workers=max(1, self.cfg.compile_threads)) as ex:
+            done = {name: ex.submit(lambda fn=fn: jax.block_until_ready(fn())) for name, fn in jobs.items()}
+            for name, f in done.items():
+                f.result()
+                log.info("reconfigure: %s compiled and run", name)
         dt = time.perf_counter() - t if jobs else 0.0
         with self.lock:
             self._check_idle()
