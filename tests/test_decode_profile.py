@@ -45,6 +45,18 @@ def test_timing_and_profile_phases(tmp_path):
         assert fh.read().startswith("HloModule")
 
 
+@pytest.mark.slow
+def test_rounds_run_in_place_when_the_card_cannot_hold_another_state(tmp_path, monkeypatch):
+    """--rounds on a card without room for a second state: each run's rounds are timed at once, in a row."""
+    monkeypatch.setattr(decode_profile, "room_for_another", lambda state: False)
+    decode_profile.main(["--out", str(tmp_path), "--preset", "tiny", "--slots", "2", "--context", "16", "--max-len",
+                         "64", "--phase", "timing", "--variants", "pallas_bf16", "--rounds", "3"])
+    (row,) = json.loads((tmp_path / "decode_timing.json").read_text())["rows"]
+    assert "error" not in row, row.get("error")
+    assert row["rounds_in_place"] and len(row["step_ms_rounds"]) == 3
+    assert row["step_ms"] == sorted(row["step_ms_rounds"])[1]
+
+
 def test_variant_patches_hold_while_open_and_are_undone():
     from kernels.gdn import pallas_triton
     from kernels.moe import routing, routing_triton
