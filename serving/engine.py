@@ -533,9 +533,9 @@ class Engine:
         t, jobs = time.perf_counter(), self._first_frames_jobs(cfg.admission_frames)
         # side by side, as warm_up compiles (one full-size decode compile is ~100 s; there is one per lane count)
         with ThreadPoolExecutor(max_workers=max(1, self.cfg.compile_threads)) as ex:
-            done = {name: ex.submit(lambda fn=fn: jax.block_until_ready(fn())) for name, fn in jobs.items()}
+            done = {name: ex.submit(fn) for name, fn in jobs.items()}
             for name, f in done.items():
-                f.result()
+                jax.block_until_ready(f.result())
                 log.info("reconfigure: %s compiled and run", name)
         dt = time.perf_counter() - t if jobs else 0.0
         with self.lock:
