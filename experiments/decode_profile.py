@@ -48,6 +48,7 @@ from drama3_jax.model import ModelCache, init_model_cache
 from drama3_jax.random_init import random_talker
 from drama3_jax.sampling import RAS_WINDOW, SamplingParams
 from experiments.common import command_line, log, patched, save_json
+from experiments.hlo_census import launches
 
 HBM_BPS, PEAK_FLOPS = 4.2e12, 780e12  # measured on the H200 (../shared/docs/h200-baselines.md)
 VARIANTS = {  # name -> (backends, GDN state dtype, projections fused: Drama3Model.fuse_projections)
@@ -421,6 +422,7 @@ def main(argv=None):
             t = time.time()
             compiled = step.lower(prm, state).compile()
             row["compile_s"] = round(time.time() - t, 1)
+            row["launches"] = launches(compiled.as_text())  # kernels per step (experiments/hlo_census.py)
             roof = category_rooflines(model, cfg, slots, args.context, state_dtype, active)
             row["roofline_ms"] = sum(r["roofline_ms"] for r in roof.values())
             if args.phase == "timing":
@@ -533,17 +535,17 @@ def write_markdown(R: dict, path: str):
              f"XLA_FLAGS `{R['xla_flags']}`.", ""]
     if R["phase"] == "timing":
         lines += ["| variant | slots | step ms (back to back) | round trip ms | frames/s | audio s/s | roofline ms | "
-                  "% of roofline | compile s |", "|---|---|---|---|---|---|---|---|---|"]
+                  "% of roofline | kernels | compile s |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in R["rows"]:
             if "step_ms" not in r:
-                lines.append(f"| {r['variant']} | {r['slots']} | {r.get('error') or r.get('skipped')} |||||||")
+                lines.append(f"| {r['variant']} | {r['slots']} | {r.get('error') or r.get('skipped')} ||||||||")
                 continue
             n = f"{r['slots']} of {r['pool']}" if r.get("pool", r["slots"]) > r["slots"] else str(r["slots"])
             if r.get("active_rows", r["slots"]) < r["slots"]:
                 n += f" ({r['active_rows']} active)"
             lines.append(f"| {r['variant']} | {n} | {r['step_ms']:.2f} | {r['round_trip_ms']:.2f} | "
                          f"{r['frames_per_s']:.0f} | {r['audio_s_per_s']:.1f} | {r['roofline_ms']:.2f} | "
-                         f"{r['pct_roofline']:.0f}% | {r['compile_s']} |")
+                         f"{r['pct_roofline']:.0f}% | {r.get('launches', '')} | {r['compile_s']} |")
         rounds = [r for r in R["rows"] if "step_ms_rounds" in r]
         if rounds:
             lines += ["", "Step ms is the median of the rounds, timed round-robin after every run was compiled:", ""]
