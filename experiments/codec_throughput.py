@@ -48,6 +48,8 @@ VARIANTS = {
     "default": [],
     # the residual units' 1x1 convs as cuDNN convs, not matmuls (drama3_jax/codec/layers.py POINTWISE_AS_MATMUL)
     "pointwise_conv": [("drama3_jax.codec.layers", "POINTWISE_AS_MATMUL", None, False)],
+    # the residual units' Snake + 1x1 + bias + residual add as one Pallas launch (kernels/snake_linear)
+    "snake_linear_kernel": [("drama3_jax.codec.layers", "TAIL_BACKEND", None, "auto")],
 }
 DEFAULT_CONFIGS = ("bfloat16:128:32", "bfloat16:128:10", "bfloat16:32:32", "bfloat16:32:10", "bfloat16:1:10",
                    "bfloat16:1:32", "float32:128:32", "float32:1:10")

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.nn import Linear
+from kernels.snake_linear import pallas_triton as snake_linear_triton
+from kernels.snake_linear.api import snake, snake_linear_residual
 
 
 def _extend(x: jax.Array, ctx: jax.Array | None, size: int) -> jax.Array:
@@ -47,15 +49,13 @@ class BiasedLinear(Linear):
 
 
 class Snake(nnx.Module):
-    """Snake activation with per-channel alpha [C]; fp32 math."""
+    """Snake activation with per-channel alpha [C]; fp32 math (kernels/snake_linear/reference.py `snake`)."""
 
     def __init__(self, channels: int, *, dtype):
         self.alpha = nnx.Param(jnp.ones((channels,), dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        a = self.alpha[...].astype(jnp.float32)
-        xf = x.astype(jnp.float32)
-        return (xf + (1.0 / (a + 1e-9)) * jnp.sin(a * xf) ** 2).astype(x.dtype)
+        return snake(x, self.alpha[...])
 
 
 # 1x1 convs (the residual units' conv2) as a matmul over the channels rather than a cuDNN conv: in XLA a GEMM may take
@@ -65,6 +65,14 @@ class Snake(nnx.Module):
 # streaming call took 31.00 against 31.65 ms as cuDNN convs, the 8 x 4 one 6.46 against 6.91 ms
 # (experiments/results/ab_2026-12-04/codec/; `codec_throughput.py --variants default pointwise_conv` is the A/B).
 POINTWISE_AS_MATMUL = True
+
+# The residual units' tail (Snake, the 1x1 matmul, its bias, the residual add) as one op (kernels/snake_linear):
+# "reference" is the plain-jnp math, which XLA runs as a Snake pass, the GEMM and the add left to the sum's consumers;
+# "auto" takes the one-launch Pallas kernel on a GPU. It applies with POINTWISE_AS_MATMUL at widths the kernel was
+# compiled for without spills (multiples of 16 up to TAIL_KERNEL_MAX_CHANNELS). Off until timed on the H200
+# (`codec_throughput.py --variants default snake_linear_kernel` is the A/B).
+TAIL_BACKEND = "reference"
+TAIL_KERNEL_MAX_CHANNELS = 384
 
 
 class CausalConv1d(nnx.Module):
@@ -153,6 +161,11 @@ class ResidualUnit(nnx.Module):
 
     def __call__(self, x, ctx=None, n_valid=None):
         y, ctx = self.conv1(self.snake1(x), ctx, n_valid)
+        B, T, C = x.shape
+        if POINTWISE_AS_MATMUL and C <= TAIL_KERNEL_MAX_CHANNELS and snake_linear_triton.supports(C, C):
+            out = snake_linear_residual(y.reshape(B * T, C), self.snake2.alpha[...], self.conv2.weight[...][0],
+                                        self.conv2.bias[...], x.reshape(B * T, C), backend=TAIL_BACKEND)
+            return out.reshape(B, T, C), ctx
         y, _ = self.conv2(self.snake2(y), None)
         return x + y.astype(x.dtype), ctx
 

@@ -116,3 +116,25 @@ def test_pointwise_conv_as_matmul_equals_the_conv(monkeypatch):
     assert outs[1, True][1] == outs[1, False][1] == (3, 0, 12)
     assert (outs[1, True][2], outs[1, False][2], outs[3, True][2]) == (False, True, True)
     np.testing.assert_array_equal(outs[3, True][0], outs[3, False][0])
+
+
+def test_residual_tail_kernel_in_the_decoder_matches_the_reference(monkeypatch, tiny_codec, tiny_codec_cfg):
+    """The residual units' tail as the Pallas kernel (interpret mode here; of the tiny codec's 32 / 16 / 8 / 4-channel
+    blocks the first two take it, the others stay on the reference): a streamed decode equals the reference path's."""
+    from drama3_jax.codec import layers
+    from kernels.snake_linear import api
+
+    codes = random_codes(tiny_codec_cfg, 2, 3, seed=5)
+    calls = []
+    real = api.BACKENDS["pallas_triton"]
+    monkeypatch.setitem(api.BACKENDS, "pallas_triton", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    outs = {}
+    for backend in ("reference", "pallas_triton"):
+        monkeypatch.setattr(layers, "TAIL_BACKEND", backend)
+        jax.clear_caches()
+        state = tiny_codec.init_state(2)
+        audio, state = tiny_codec.step(state, codes)
+        outs[backend] = np.asarray(audio)
+    assert sorted(shape[1] for shape in calls) == [16] * 3 + [32] * 3  # 3 units in each of the two blocks
+    np.testing.assert_allclose(outs["pallas_triton"], outs["reference"], rtol=0,
+                               atol=1e-5 * np.abs(outs["reference"]).max())
