@@ -1,6 +1,8 @@
 """Kernel census of a compiled XLA GPU program, without a GPU: every kernel the device would launch, by kind and by
 the model's named scopes, with the bytes each one reads and writes (the operands' and results' sizes: an upper bound,
-since a fusion may read only part of an operand).
+since a fusion may read only part of an operand), and the longest chain of kernels that depend on each other (with
+CUDA graphs scheduled CONCURRENT only data dependencies order the kernels: at one stream that chain, not the launch
+count, sets the step time).
 
 The programs are compiled on this machine for one H200 (`kernels/h200_lowering.py` `compile_for_h200`: XLA's
 deviceless AOT; needs `make deviceless`). Kernel counts and fusion boundaries are the device's; GEMM tilings and
@@ -212,6 +214,47 @@ def census(hlo: str) -> list[Kernel]:
     return out
 
 
+def dependent_chain(hlo: str) -> tuple[int, list[str]]:
+    """The longest chain of kernels each of which reads a result of the one before (data dependencies only: how the
+    GPU runs a command buffer scheduled CONCURRENT, where independent kernels may overlap) -> (length, the chain's
+    kernel names in order). A while loop counts its body's chain times its known trip count (the names list it
+    once); a call or conditional its callee's (longest branch's) chain. With ~1,000 launches of a few microseconds
+    each, this, not the launch count, is what sets a one-stream decode step's time."""
+    comps, entry = parse_computations(hlo)
+    memo: dict[str, tuple[int, list[str]]] = {}
+
+    def chain(comp: str, seen: tuple[str, ...]) -> tuple[int, list[str]]:
+        if comp in memo:
+            return memo[comp]
+        depth: dict[str, tuple[int, list[str]]] = {}
+        best: tuple[int, list[str]] = (0, [])
+        for ins in comps.get(comp, []):
+            op, attrs = ins["opcode"], ins["attrs"]
+            before = max((depth.get(o, (0, [])) for o in ins["operands"]), key=lambda d: d[0], default=(0, []))
+            inner: tuple[int, list[str]] = (0, [])
+            if op == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+                body = _attr(attrs, "body").lstrip("%")
+                if body and body not in seen:
+                    n, path = chain(body, seen + (body,))
+                    inner = (n * (int(trips.group(1)) if trips else 1), path)
+            elif op == "conditional":
+                branches = [b for b in re.findall(r"%([^\s,}]+)", _attr(attrs, "branch_computations")) if b not in seen]
+                inner = max((chain(b, seen + (b,)) for b in branches), key=lambda d: d[0], default=(0, []))
+            elif op in ("call", "async-start") or op.endswith("-start") and "calls=" in attrs:
+                callee = (_attr(attrs, "to_apply") or _attr(attrs, "calls")).lstrip("%")
+                if callee and callee not in seen:
+                    inner = chain(callee, seen + (callee,))
+            elif op not in NO_KERNEL and not op.endswith("-done") and not op.endswith("-update"):
+                inner = (1, [ins["name"]])
+            depth[ins["name"]] = (before[0] + inner[0], before[1] + inner[1])
+            best = max(best, depth[ins["name"]], key=lambda d: d[0])
+        memo[comp] = best
+        return best
+
+    return chain(entry, (entry,))
+
+
 def launches(hlo: str) -> int:
     """Kernel launches per call of a compiled program (its optimized HLO text)."""
     return sum(k.times for k in census(hlo))
@@ -307,8 +350,11 @@ def write_markdown(R: dict, path: str):
              "untuned defaults). Bytes are an upper bound on traffic; the ms column is those bytes at 4.2 TB/s.", ""]
     for run in R["runs"]:
         s = run["summary"]
-        lines += [f"## {run['target']}", "", f"{s['launches']} launches, {s['bytes_mb']} MB "
-                  f"({s['traffic_ms_at_hbm']} ms at 4.2 TB/s); compiled in {run['compile_s']} s.", "",
+        lines += [f"## {run['target']}", "", f"{s['launches']} launches, {s['dependent_chain']} of them in the "
+                  f"longest chain of dependent kernels; {s['bytes_mb']} MB ({s['traffic_ms_at_hbm']} ms at 4.2 TB/s); "
+                  f"compiled in {run['compile_s']} s.", "",
+                  "Longest dependent chain by scope: " + ", ".join(f"{k} {v}" for k, v in s["chain_by_scope"].items()),
+                  "",
                   "| kind | launches | MB |", "|---|---|---|"]
         lines += [f"| {k} | {v['launches']} | {v['mb']} |" for k, v in s["by_kind"].items()]
         lines += ["", "| scope | launches | MB |", "|---|---|---|"]
@@ -359,12 +405,17 @@ def main(argv=None):
         run = {"target": name, "compile_s": round(time.time() - t, 1)}
         kernels = census(hlo)
         run["summary"] = summarise(kernels, scopes)
+        length, path = dependent_chain(hlo)
+        by_name = {k.name: k for k in kernels}
+        run["summary"]["dependent_chain"] = length
+        run["summary"]["chain_by_scope"] = dict(Counter(
+            category(by_name[n].op_name, scopes) if n in by_name else "other" for n in path).most_common())
         run["kinds"] = dict(Counter(k.kind for k in kernels))
         if args.keep_hlo:
             with open(os.path.join(args.out, re.sub(r"[^a-z0-9]+", "_", name.lower()) + ".hlo"), "w") as f:
                 f.write(hlo)
         R["runs"].append(run)
-        log({"target": name, "launches": run["summary"]["launches"], "mb": run["summary"]["bytes_mb"],
+        log({"target": name, "launches": run["summary"]["launches"], "chain": length, "mb": run["summary"]["bytes_mb"],
              "compile_s": run["compile_s"]})
         save_json(R, os.path.join(args.out, "hlo_census.json"))
     write_markdown(R, os.path.join(args.out, "hlo_census.md"))

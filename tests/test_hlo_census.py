@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from experiments.hlo_census import census, parse_computations, summarise, type_bytes
+from experiments.hlo_census import census, dependent_chain, parse_computations, summarise, type_bytes
 
 
 def _program(x, c):
@@ -48,6 +48,26 @@ def test_in_place_update_counts_the_update_not_the_buffer():
     assert dus[0].read_bytes == dus[0].write_bytes == 256 * 4 + 4
     elementwise = next(k for k in kernels if k.op_name.endswith("/add") and k.kind.startswith("fusion"))
     assert (elementwise.read_bytes, elementwise.write_bytes) == (256 * 4, 256 * 4)
+
+
+def test_dependent_chain_follows_data_not_program_order():
+    """Three chained products and one beside them: the chain holds the three (and whatever XLA runs between them),
+    never the independent product; a loop body's chain counts once per trip."""
+    ks = jax.random.split(jax.random.PRNGKey(0), 5)
+    x = jax.random.normal(ks[0], (64, 64))
+    ws = [jax.random.normal(k, (64, 64)) for k in ks[1:]]
+
+    def prog(x, w1, w2, w3, w4):
+        return jnp.tanh(jnp.tanh(x @ w1) @ w2) @ w3, x @ w4
+
+    hlo = jax.jit(prog).lower(x, *ws).compile().as_text()
+    length, path = dependent_chain(hlo)
+    kernels = census(hlo)
+    dots = [k.name for k in kernels if "dot" in k.kind or "dot" in k.op_name]
+    assert 3 <= length < len(kernels) and len(dots) == 4
+    assert sum(name in path for name in dots) == 3
+    loop_len, loop_path = dependent_chain(_cpu_hlo())
+    assert loop_len >= 5 and 0 < len(loop_path) < loop_len  # the body's chain is listed once, counted per trip
 
 
 def test_codec_step_compiles_for_an_h200_without_a_gpu():

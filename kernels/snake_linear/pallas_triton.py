@@ -80,7 +80,8 @@ def _kernel(h_ref, a_ref, w_ref, b_ref, x_ref, o_ref, *, M, K, N, BM, BK, BN):
 @functools.partial(jax.jit, static_argnames=("num_warps", "interpret"))
 def snake_linear_residual_triton(h, alpha, w, b, x, *, num_warps: int | None = None, interpret: bool | None = None):
     """Same contract as `reference.snake_linear_residual_reference`: h [M, K], alpha [K], w [K, N], b [N], x [M, N]
-    -> [M, N] in x.dtype; K and N multiples of 16. interpret=None runs the kernel on GPU and in Pallas interpret mode elsewhere."""
+    -> [M, N] in x.dtype; K and N multiples of 16. interpret=None runs the kernel on GPU and in Pallas interpret
+    mode elsewhere."""
     M, K = h.shape
     N = w.shape[1]
     if not supports(K, N):
