@@ -10,6 +10,7 @@ cuDNN algorithms are XLA's untuned defaults. So the census answers "how many lau
 conversions", never "how fast": that takes the device.
 
     python experiments/hlo_census.py --out DIR decode --slots 1 128 [--variant pallas_bf16_w8a8_fused]
+    python experiments/hlo_census.py --out DIR prefill [--variants packed ...] [--bucket -1]
     python experiments/hlo_census.py --out DIR codec --streams 128 --frames 8
     python experiments/hlo_census.py --out DIR hlo FILE.hlo        (a saved optimized-HLO text, e.g. a profile's)
 """
@@ -288,8 +289,8 @@ def summarise(kernels: list[Kernel], scopes: tuple[str, ...] = ()) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ targets
-def decode_hlo(slots: int, variant: str, context: int = 512, max_len: int = 2048) -> str:
-    """The server's decode step (`frame_step_prefix` over `slots` rows, full-size talker, a decode_profile variant),
+def decode_hlo(slots: int, variant: str, context: int = 512, max_len: int = 2048, model: str = "full") -> str:
+    """The server's decode step (`frame_step_prefix` over `slots` rows of the `model` preset, a decode_profile variant),
     compiled for an H200."""
     import jax
     import jax.numpy as jnp
@@ -301,7 +302,7 @@ def decode_hlo(slots: int, variant: str, context: int = 512, max_len: int = 2048
     from experiments.decode_profile import PATCHES, VARIANTS, make_state, variant_patches
     from kernels.h200_lowering import as_if_on_gpu, compile_for_h200
 
-    cfg = preset("full")
+    cfg = preset(model)
     backends, state_dtype, fuse = VARIANTS[PATCHES[variant][0] if variant in PATCHES else variant]
     model = nnx.eval_shape(lambda: Drama3Model(cfg, dtype=jnp.bfloat16, fp8_experts=True))
     if fuse:
@@ -314,8 +315,42 @@ def decode_hlo(slots: int, variant: str, context: int = 512, max_len: int = 2048
                                 state, donate_argnums=(1,))
 
 
-def codec_hlo(streams: int, frames: int, variant: str = "default") -> str:
-    """The streaming codec's `Codec.step` (full-size codec, bf16) over `streams` x `frames` new frames, compiled
+def prefill_hlo(variant: str = "packed", bucket: int = -1, max_len: int = 2048, model: str = "full") -> tuple[str, str]:
+    """One packed prefill call of the engine (`Prefiller.packed` on the `model` preset over the engine's packed bucket
+    `bucket`: rows and lanes from EngineConfig.packed_buckets, the largest by default), compiled for an H200;
+    `variant` is one of prefill_timing.py's packed variants. -> (HLO text, "rows x lanes")."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from drama3_jax.config import preset
+    from drama3_jax.generate import Prefiller
+    from drama3_jax.model import Drama3Model
+    from drama3_jax.packing import Packing, pack_layout
+    from experiments.common import patched
+    from experiments.prefill_timing import PATCHES, variants
+    from kernels.h200_lowering import as_if_on_gpu, compile_for_h200
+    from serving.engine import EngineConfig
+
+    cfg = preset(model)
+    base, patches = PATCHES.get(variant, (variant, []))
+    model = nnx.eval_shape(lambda: Drama3Model(cfg, dtype=jnp.bfloat16, fp8_experts=True))
+    model = nnx.eval_shape(lambda m: m.fuse_projections(), model)
+    rows, lanes = EngineConfig().packed_buckets[bucket]
+    with as_if_on_gpu():
+        pf = Prefiller(model, max_len, EngineConfig().prefill_chunk, variants(cfg)[base],
+                       cache_dtype=jnp.bfloat16, state_dtype=jnp.bfloat16)
+        cache = jax.eval_shape(lambda: pf._init(lanes)[0])
+    ids = jax.ShapeDtypeStruct((1, rows, pf.row_width), jnp.int32)
+    _, unpack, pack = pack_layout([2], rows, lanes, pf.chunk)
+    lengths, packing = jax.ShapeDtypeStruct((lanes,), jnp.int32), Packing(jnp.asarray(unpack), jnp.asarray(pack))
+    with patched(patches):
+        hlo = compile_for_h200(pf._packed, pf._param_leaves, cache, ids, ids, lengths, packing)
+    return hlo, f"{rows} rows x {lanes} lanes"
+
+
+def codec_hlo(streams: int, frames: int, variant: str = "default", model: str = "full") -> str:
+    """The streaming codec's `Codec.step` (the `model` codec preset, bf16) over `streams` x `frames` new frames, compiled
     for an H200; `variant` is one of codec_throughput.py's."""
     import jax
     import jax.numpy as jnp
@@ -328,7 +363,7 @@ def codec_hlo(streams: int, frames: int, variant: str = "default") -> str:
     from experiments.common import patched
     from kernels.h200_lowering import compile_for_h200
 
-    cfg = codec_preset("full")
+    cfg = codec_preset(model)
     model = nnx.eval_shape(lambda: ModifiedDAC(cfg, dtype=jnp.bfloat16))
     graphdef, params = nnx.split(model)
     state = jax.eval_shape(lambda: nnx.merge(graphdef, params).init_decode_state(streams))
@@ -370,10 +405,14 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--keep-hlo", action="store_true", help="write each compiled HLO text beside the results")
+    ap.add_argument("--preset", default="full", help="model and codec shapes (tiny: a quick check of this script)")
     sub = ap.add_subparsers(dest="target", required=True)
     d = sub.add_parser("decode")
     d.add_argument("--slots", type=int, nargs="+", default=[1, 128])
     d.add_argument("--variants", nargs="+", default=["pallas_bf16_w8a8_fused"])
+    pr = sub.add_parser("prefill")
+    pr.add_argument("--variants", nargs="+", default=["packed"])
+    pr.add_argument("--bucket", type=int, default=-1, help="index into the engine's packed buckets (-1: largest)")
     c = sub.add_parser("codec")
     c.add_argument("--streams", type=int, default=128)
     c.add_argument("--frames", type=int, nargs="+", default=[8])
@@ -392,10 +431,17 @@ def main(argv=None):
          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": []}
     jobs = []
     if args.target == "decode":
-        jobs = [(f"decode {v} @ {n} slots", DECODE_SCOPES, lambda v=v, n=n: decode_hlo(n, v))
+        jobs = [(f"decode {v} @ {n} slots", DECODE_SCOPES, lambda v=v, n=n: decode_hlo(n, v, model=args.preset))
                 for v in args.variants for n in args.slots]
+    elif args.target == "prefill":
+        def prefill_job(v):
+            hlo, shape = prefill_hlo(v, args.bucket, model=args.preset)
+            log(f"prefill {v}: {shape}")
+            return hlo
+        jobs = [(f"prefill {v}", DECODE_SCOPES, lambda v=v: prefill_job(v)) for v in args.variants]
     elif args.target == "codec":
-        jobs = [(f"codec {v} {args.streams} x {t}", CODEC_SCOPES, lambda v=v, t=t: codec_hlo(args.streams, t, v))
+        jobs = [(f"codec {v} {args.streams} x {t}", CODEC_SCOPES,
+                 lambda v=v, t=t: codec_hlo(args.streams, t, v, model=args.preset))
                 for v in args.variants for t in args.frames]
     else:
         jobs = [(p, DECODE_SCOPES + CODEC_SCOPES, lambda p=p: open(p).read()) for p in args.files]

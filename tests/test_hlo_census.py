@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from experiments.hlo_census import census, dependent_chain, parse_computations, summarise, type_bytes
 
@@ -87,3 +88,24 @@ def test_codec_step_compiles_for_an_h200_without_a_gpu():
     hlo = compile_for_h200(streaming._step, graphdef, params, state, codes, None, static_argnums=(0,))
     kinds = {k.kind for k in census(hlo)}
     assert "conv" in kinds and "gemm" in kinds, kinds
+
+
+@pytest.mark.slow
+def test_census_script_on_the_tiny_presets(tmp_path):
+    """The three program targets of experiments/hlo_census.py, compiled for an H200 at the tiny shapes (~40 s: the
+    slow tier, with the other experiment harnesses): each run writes its launches, bytes and chain, and the Pallas
+    kernels of the decode step and the prefill are in them."""
+    import json
+
+    from experiments.hlo_census import main
+
+    for target in (["decode", "--slots", "2"], ["prefill"], ["codec", "--streams", "2", "--frames", "2"]):
+        main(["--out", str(tmp_path / target[0]), "--preset", "tiny", *target])
+    runs = {d: json.loads((tmp_path / d / "hlo_census.json").read_text())["runs"] for d in ("decode", "prefill",
+                                                                                             "codec")}
+    for d, (run,) in runs.items():
+        s = run["summary"]
+        assert 0 < s["dependent_chain"] <= s["launches"] and s["bytes_mb"] > 0, (d, s)
+        assert (tmp_path / d / "hlo_census.md").read_text().startswith("# Kernel census")
+    assert "pallas" in runs["decode"][0]["summary"]["by_kind"] and "pallas" in runs["prefill"][0]["summary"]["by_kind"]
+    assert "conv" in runs["codec"][0]["summary"]["by_kind"]
