@@ -50,6 +50,12 @@ VARIANTS = {
     "pointwise_conv": [("drama3_jax.codec.layers", "POINTWISE_AS_MATMUL", None, False)],
     # the residual units' Snake + 1x1 + bias + residual add as one Pallas launch (kernels/snake_linear)
     "snake_linear_kernel": [("drama3_jax.codec.layers", "TAIL_BACKEND", None, "auto")],
+    # the same at 4 warps and half the accumulator rows (96 channels: 64-row blocks at 164 registers, three programs
+    # per SM, against one at 8 warps; 192: 32-row blocks, 255 registers, no spills; 384: 16 rows, 76 bytes spilled)
+    "snake_linear_kernel_4warps": [("drama3_jax.codec.layers", "TAIL_BACKEND", None, "auto"),
+                                   ("kernels.snake_linear.pallas_triton", "TUNING", None,
+                                    {"num_warps": 4, "num_stages": 1}),
+                                   ("kernels.snake_linear.pallas_triton", "ACC_ELEMENTS", None, 8192)],
 }
 DEFAULT_CONFIGS = ("bfloat16:128:32", "bfloat16:128:10", "bfloat16:32:32", "bfloat16:32:10", "bfloat16:1:10",
                    "bfloat16:1:32", "float32:128:32", "float32:1:10")

@@ -70,7 +70,7 @@ POINTWISE_AS_MATMUL = True
 # "reference" is the plain-jnp math, which XLA runs as a Snake pass, the GEMM and the add left to the sum's consumers;
 # "auto" takes the one-launch Pallas kernel on a GPU. It applies with POINTWISE_AS_MATMUL at widths the kernel was
 # compiled for without spills (multiples of 16 up to TAIL_KERNEL_MAX_CHANNELS). Off until timed on the H200
-# (`codec_throughput.py --variants default snake_linear_kernel` is the A/B).
+# (`codec_throughput.py --variants default snake_linear_kernel snake_linear_kernel_4warps` is the A/B).
 TAIL_BACKEND = "reference"
 TAIL_KERNEL_MAX_CHANNELS = 384
 

@@ -33,7 +33,8 @@ f32 = jnp.float32
 MAX_CHUNK = 64       # K and N chunk: the largest power of two dividing the width, at most this (128 spills at 384)
 ACC_ELEMENTS = 16384  # fp32 accumulator elements per program (block_m x N): 64 KB of registers over 8 warps
 
-# Not yet timed on the H200 (experiments/codec_throughput.py --variants default snake_linear_kernel is the A/B).
+# Not yet timed on the H200 (experiments/codec_throughput.py --variants default snake_linear_kernel
+# snake_linear_kernel_4warps is the A/B, the second with 4 warps and ACC_ELEMENTS 8192).
 TUNING = {"num_warps": 8, "num_stages": 1}
 
 
