@@ -138,3 +138,34 @@ def test_residual_tail_kernel_in_the_decoder_matches_the_reference(monkeypatch, 
     assert sorted(shape[1] for shape in calls) == [16] * 3 + [32] * 3  # 3 units in each of the two blocks
     np.testing.assert_allclose(outs["pallas_triton"], outs["reference"], rtol=0,
                                atol=1e-5 * np.abs(outs["reference"]).max())
+
+
+@pytest.mark.slow
+def test_residual_tail_kernel_in_the_full_codec_is_as_accurate_as_the_reference(monkeypatch):
+    """The full-size random codec in bf16 at its real widths (96 / 192 / 384 channels take the kernel, 768 stays on
+    the reference), two streamed chunks: against the same weights in fp32, the kernel path's error is the reference
+    path's (measured 2026-12-08: RMS 4.10% against 4.12% of the signal; the two bf16 paths differ by 1.6%)."""
+    import jax.numpy as jnp
+
+    from drama3_jax.codec import layers
+    from drama3_jax.codec.config import codec_preset
+    from drama3_jax.codec.convert import random_codec
+    from drama3_jax.codec.streaming import Codec
+
+    cfg = codec_preset("full")
+    codes = random_codes(cfg, 2, 2, seed=1)
+
+    def decode(dtype, backend):
+        monkeypatch.setattr(layers, "TAIL_BACKEND", backend)
+        jax.clear_caches()
+        codec = Codec(random_codec(cfg, seed=0, dtype=dtype))
+        state = codec.init_state(2)
+        a1, state = codec.step(state, codes)
+        a2, _ = codec.step(state, codes)
+        return np.concatenate([np.asarray(a1, np.float32), np.asarray(a2, np.float32)], axis=1)
+
+    truth = decode(jnp.float32, "reference")
+    rms = {b: np.sqrt(np.mean((decode(jnp.bfloat16, b) - truth) ** 2) / np.mean(truth ** 2))
+           for b in ("reference", "pallas_triton")}
+    assert rms["reference"] < 0.1, rms  # bf16 against fp32: a few percent
+    assert rms["pallas_triton"] <= 1.05 * rms["reference"], rms
