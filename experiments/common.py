@@ -34,6 +34,15 @@ def save_json(obj, path: str) -> None:
         json.dump(obj, f, indent=1, default=str)
 
 
+def category_of(op_name: str, categories: tuple[str, ...]) -> str:
+    """The first of `categories` (named scopes) on a kernel's op_name path, else "other"."""
+    parts = op_name.split("/")
+    for c in categories:
+        if c in parts:
+            return c
+    return "other"
+
+
 def guard(errors: list, name: str, fn, *a, **k):
     """fn(*a, **k), or None after logging the failure and appending it to `errors`: one failing variant must not cost
     the whole device call."""

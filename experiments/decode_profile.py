@@ -47,7 +47,7 @@ from drama3_jax.generate import DecodeState, RequestSampling, frame_step_prefix
 from drama3_jax.model import ModelCache, init_model_cache
 from drama3_jax.random_init import random_talker
 from drama3_jax.sampling import RAS_WINDOW, SamplingParams
-from experiments.common import command_line, log, patched, save_json
+from experiments.common import category_of, command_line, log, patched, save_json
 from experiments.hlo_census import launches
 
 HBM_BPS, PEAK_FLOPS = 4.2e12, 780e12  # measured on the H200 (../shared/docs/h200-baselines.md)
@@ -282,14 +282,6 @@ def kernel_names_from_hlo(text: str) -> dict:
     return out
 
 
-def category_of(op_name: str, categories: tuple[str, ...] = CATEGORIES) -> str:
-    parts = op_name.split("/")
-    for c in categories:
-        if c in parts:
-            return c
-    return "other"
-
-
 def gpu_kernel_events(trace_dir: str) -> list[dict]:
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
     with gzip.open(path) as f:
@@ -422,7 +414,8 @@ def main(argv=None):
             t = time.time()
             compiled = step.lower(prm, state).compile()
             row["compile_s"] = round(time.time() - t, 1)
-            row["launches"] = launches(compiled.as_text())  # kernels per step (experiments/hlo_census.py)
+            hlo = compiled.as_text()
+            row["launches"] = launches(hlo)  # kernels per step (experiments/hlo_census.py)
             roof = category_rooflines(model, cfg, slots, args.context, state_dtype, active)
             row["roofline_ms"] = sum(r["roofline_ms"] for r in roof.values())
             if args.phase == "timing":
@@ -442,7 +435,7 @@ def main(argv=None):
                         row["rounds_in_place"] = True
                         set_step_time(row, float(np.median(row["step_ms_rounds"])), row["round_trip_ms"])
             else:
-                p = profile(step, prm, state, compiled.as_text(), args.profile_steps,
+                p = profile(step, prm, state, hlo, args.profile_steps,
                             os.path.join(args.out, f"trace_{variant}_{slots}"),
                             os.path.join(args.out, f"hlo_{variant}_{slots}.txt.gz"))
                 row.update(p)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import os
 import re
@@ -28,6 +27,8 @@ import time
 from collections import Counter, defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.common import category_of  # noqa: E402
 
 HBM_BPS = 4.2e12  # measured on the H200 (../shared/docs/h200-baselines.md)
 DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1,
@@ -164,6 +165,24 @@ def _updates_in_place(comps: dict, fused: str) -> bool:
     return bool(parts) and all(p is not None and p["opcode"] in ("dynamic-update-slice", "scatter") for p in parts)
 
 
+def _called(ins: dict) -> tuple[list[str], int] | None:
+    """The computations a control instruction runs and how many times each: a while loop's body (its known trip count,
+    else 1), a conditional's branches, a call's or async wrapper's callee. None for any other instruction."""
+    op, attrs = ins["opcode"], ins["attrs"]
+    if op == "while":
+        trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
+        return [_attr(attrs, "body").lstrip("%")], int(trips.group(1)) if trips else 1
+    if op == "conditional":
+        return re.findall(r"%([^\s,}]+)", _attr(attrs, "branch_computations")), 1
+    if op in ("call", "async-start") or op.endswith("-start") and "calls=" in attrs:
+        return [(_attr(attrs, "to_apply") or _attr(attrs, "calls")).lstrip("%")], 1
+    return None
+
+
+def _launches_kernel(op: str) -> bool:
+    return op not in NO_KERNEL and not op.endswith("-done") and not op.endswith("-update")
+
+
 def census(hlo: str) -> list[Kernel]:
     """Every kernel launch of the entry computation, and of the computations it calls (while bodies with their
     known trip counts, conditional branches, calls and async wrappers), in program order."""
@@ -174,25 +193,14 @@ def census(hlo: str) -> list[Kernel]:
         types = {ins["name"]: ins["type"] for ins in comps.get(comp, [])}
         for ins in comps.get(comp, []):
             op, attrs = ins["opcode"], ins["attrs"]
-            if op in NO_KERNEL:
+            called = _called(ins)
+            if called is not None:
+                callees, trips = called
+                for c in callees:  # every branch of a conditional: each may run
+                    if c and c not in seen:
+                        walk(c, times * trips, seen + (c,))
                 continue
-            if op == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
-                body = _attr(attrs, "body").lstrip("%")
-                if body and body not in seen:
-                    walk(body, times * (int(trips.group(1)) if trips else 1), seen + (body,))
-                continue
-            if op == "conditional":
-                for b in re.findall(r"%([^\s,}]+)", _attr(attrs, "branch_computations")):
-                    if b not in seen:
-                        walk(b, times, seen + (b,))
-                continue
-            if op in ("call", "async-start") or op.endswith("-start") and "calls=" in attrs:
-                callee = (_attr(attrs, "to_apply") or _attr(attrs, "calls")).lstrip("%")
-                if callee and callee not in seen:
-                    walk(callee, times, seen + (callee,))
-                continue
-            if op.endswith("-done") or op.endswith("-update"):
+            if not _launches_kernel(op):
                 continue
             kind = _kind(ins)
             operands = [types.get(o, "") for o in dict.fromkeys(ins["operands"])]
@@ -230,23 +238,15 @@ def dependent_chain(hlo: str) -> tuple[int, list[str]]:
         depth: dict[str, tuple[int, list[str]]] = {}
         best: tuple[int, list[str]] = (0, [])
         for ins in comps.get(comp, []):
-            op, attrs = ins["opcode"], ins["attrs"]
             before = max((depth.get(o, (0, [])) for o in ins["operands"]), key=lambda d: d[0], default=(0, []))
             inner: tuple[int, list[str]] = (0, [])
-            if op == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
-                body = _attr(attrs, "body").lstrip("%")
-                if body and body not in seen:
-                    n, path = chain(body, seen + (body,))
-                    inner = (n * (int(trips.group(1)) if trips else 1), path)
-            elif op == "conditional":
-                branches = [b for b in re.findall(r"%([^\s,}]+)", _attr(attrs, "branch_computations")) if b not in seen]
-                inner = max((chain(b, seen + (b,)) for b in branches), key=lambda d: d[0], default=(0, []))
-            elif op in ("call", "async-start") or op.endswith("-start") and "calls=" in attrs:
-                callee = (_attr(attrs, "to_apply") or _attr(attrs, "calls")).lstrip("%")
-                if callee and callee not in seen:
-                    inner = chain(callee, seen + (callee,))
-            elif op not in NO_KERNEL and not op.endswith("-done") and not op.endswith("-update"):
+            called = _called(ins)
+            if called is not None:  # the longest callee (branch) chain, times the trip count
+                callees, trips = called
+                n, path = max((chain(c, seen + (c,)) for c in callees if c and c not in seen), key=lambda d: d[0],
+                              default=(0, []))
+                inner = (n * trips, path)
+            elif _launches_kernel(ins["opcode"]):
                 inner = (1, [ins["name"]])
             depth[ins["name"]] = (before[0] + inner[0], before[1] + inner[1])
             best = max(best, depth[ins["name"]], key=lambda d: d[0])
@@ -261,20 +261,11 @@ def launches(hlo: str) -> int:
     return sum(k.times for k in census(hlo))
 
 
-def category(op_name: str, scopes: tuple[str, ...]) -> str:
-    """The first of `scopes` on the kernel's named-scope path, else "other"."""
-    parts = op_name.split("/")
-    for s in scopes:
-        if s in parts:
-            return s
-    return "other"
-
-
 def summarise(kernels: list[Kernel], scopes: tuple[str, ...] = ()) -> dict:
     """Launches and bytes per kind and per scope, and the largest kernels by bytes."""
     by_kind, by_scope = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
     for k in kernels:
-        for table, key in ((by_kind, k.kind), (by_scope, category(k.op_name, scopes))):
+        for table, key in ((by_kind, k.kind), (by_scope, category_of(k.op_name, scopes))):
             table[key][0] += k.times
             table[key][1] += k.bytes * k.times
     launches = sum(k.times for k in kernels)
@@ -350,8 +341,8 @@ def prefill_hlo(variant: str = "packed", bucket: int = -1, max_len: int = 2048, 
 
 
 def codec_hlo(streams: int, frames: int, variant: str = "default", model: str = "full") -> str:
-    """The streaming codec's `Codec.step` (the `model` codec preset, bf16) over `streams` x `frames` new frames, compiled
-    for an H200; `variant` is one of codec_throughput.py's."""
+    """The streaming codec's `Codec.step` (the `model` codec preset, bf16) over `streams` x `frames` new frames,
+    compiled for an H200; `variant` is one of codec_throughput.py's."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -373,9 +364,6 @@ def codec_hlo(streams: int, frames: int, variant: str = "default", model: str = 
                                 donate_argnums=(2,))
 
 
-DECODE_SCOPES = ("sampling", "attention_core", "kv_write", "gdn_core", "moe_experts", "moe_in_proj", "router",
-                 "shared_expert", "tower_heads", "lm_head", "tower", "backbone")
-CODEC_SCOPES = ("codec_embed", "codec_post_module", "codec_upsample", "codec_decoder")
 
 
 def write_markdown(R: dict, path: str):
@@ -424,7 +412,9 @@ def main(argv=None):
 
     import jax
 
+    from experiments.codec_throughput import PROFILE_CATEGORIES as CODEC_SCOPES
     from experiments.common import command_line, log, save_json
+    from experiments.decode_profile import CATEGORIES as DECODE_SCOPES
 
     os.makedirs(args.out, exist_ok=True)
     R = {"command": command_line(args.out), "jax": jax.__version__,
@@ -455,7 +445,7 @@ def main(argv=None):
         by_name = {k.name: k for k in kernels}
         run["summary"]["dependent_chain"] = length
         run["summary"]["chain_by_scope"] = dict(Counter(
-            category(by_name[n].op_name, scopes) if n in by_name else "other" for n in path).most_common())
+            category_of(by_name[n].op_name, scopes) if n in by_name else "other" for n in path).most_common())
         run["kinds"] = dict(Counter(k.kind for k in kernels))
         if args.keep_hlo:
             with open(os.path.join(args.out, re.sub(r"[^a-z0-9]+", "_", name.lower()) + ".hlo"), "w") as f:

@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from drama3_jax.nn import Linear
-from kernels.snake_linear import pallas_triton as snake_linear_triton
-from kernels.snake_linear.api import snake, snake_linear_residual
+from kernels.snake_linear.api import snake, snake_linear_residual, supports
 
 
 def _extend(x: jax.Array, ctx: jax.Array | None, size: int) -> jax.Array:
@@ -162,7 +161,7 @@ class ResidualUnit(nnx.Module):
     def __call__(self, x, ctx=None, n_valid=None):
         y, ctx = self.conv1(self.snake1(x), ctx, n_valid)
         B, T, C = x.shape
-        if POINTWISE_AS_MATMUL and C <= TAIL_KERNEL_MAX_CHANNELS and snake_linear_triton.supports(C, C):
+        if POINTWISE_AS_MATMUL and C <= TAIL_KERNEL_MAX_CHANNELS and supports(C, C):
             out = snake_linear_residual(y.reshape(B * T, C), self.snake2.alpha[...], self.conv2.weight[...][0],
                                         self.conv2.bias[...], x.reshape(B * T, C), backend=TAIL_BACKEND)
             return out.reshape(B, T, C), ctx

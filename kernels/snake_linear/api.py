@@ -12,7 +12,7 @@ Backends of `snake_linear_residual`:
 from __future__ import annotations
 
 from kernels.dispatch import pick_backend
-from kernels.snake_linear.pallas_triton import snake_linear_residual_triton
+from kernels.snake_linear.pallas_triton import snake_linear_residual_triton, supports
 from kernels.snake_linear.reference import snake, snake_linear_residual_reference
 
 BACKENDS = {"reference": snake_linear_residual_reference, "pallas_triton": snake_linear_residual_triton}
@@ -28,4 +28,4 @@ def snake_linear_residual(h, alpha, w, b, x, *, backend: str = "reference", **ba
     return fn(h, alpha, w, b, x, **backend_kwargs)
 
 
-__all__ = ["BACKENDS", "snake", "snake_linear_residual"]
+__all__ = ["BACKENDS", "snake", "snake_linear_residual", "supports"]
